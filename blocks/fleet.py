@@ -1,0 +1,84 @@
+"""Fleet block: the engines an eval point pins, attached by URL or launched by pinned-eval.
+
+Invariants: control calls (load, read-back) go to each engine directly, data calls through the
+router; a launched fleet keeps a state file so any process (a flow run, the janitor) can revive
+its engines; the fleet's name names its pin lock, the global concurrency limit `fleet-<name>`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr, model_validator
+
+from blocks._meta import DOCS_URL, LOGO_URL
+
+
+class FleetBlock(Block):
+    """An SGLang-protocol fleet (real SGLang on GPUs or CPU engines) behind sglang-router."""
+
+    _block_type_name = "pinned-eval Fleet"
+    _block_type_slug = "pinned-eval-fleet"
+    _logo_url = LOGO_URL
+    _documentation_url = DOCS_URL
+    _description = "Engines an eval point pins to one verified weight version, attached or launched."
+    _code_example = """
+    from blocks import FleetBlock
+
+    fleet = FleetBlock.load("BLOCK_NAME")
+    print(fleet.name, fleet.mode)
+    """
+
+    name: str = Field(
+        default="default",
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="Fleet name; the pin lock is the global concurrency limit `fleet-<name>`.",
+    )
+    mode: Literal["attach", "launch"] = Field(
+        default="launch",
+        description="`attach`: use running engines at `engine_urls`; `launch`: pinned-eval started them.",
+    )
+    engine_urls: list[str] = Field(
+        default_factory=list, description="Engine base URLs (attach mode; filled from the state file otherwise)."
+    )
+    router_url: str | None = Field(default=None, description="sglang-router base URL (attach mode).")
+    state_file: str | None = Field(
+        default=None,
+        description="State file written by `pinned-eval fleet up` (launch mode): PIDs, ports, commands.",
+    )
+    backend: Literal["cpu", "sglang"] = Field(
+        default="cpu", description="Engine kind for launch mode: the bundled CPU engine or real SGLang."
+    )
+    engines: int = Field(default=2, ge=1, le=256, description="Number of engines to launch.")
+    gpus_per_engine: int = Field(default=1, ge=1, le=64, description="GPUs per SGLang engine (its TP size).")
+    base_sglang_args: dict[str, Any] = Field(
+        default_factory=dict, description="Base SGLang server arguments shared with the training fleet."
+    )
+    sglang_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Per-fleet SGLang argument overrides applied over the base arguments."
+    )
+    request_concurrency: int = Field(
+        default=32, ge=1, le=4096, description="Most generate requests in flight against this fleet."
+    )
+    load_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one weight load on one engine.")
+    api_key: SecretStr | None = Field(default=None, description="Engines' `--api-key` (data plane bearer token).")
+    admin_api_key: SecretStr | None = Field(
+        default=None, description="Engines' `--admin-api-key` (control plane bearer token)."
+    )
+
+    @model_validator(mode="after")
+    def _attach_needs_urls(self) -> FleetBlock:
+        if self.mode == "attach" and (not self.engine_urls or not self.router_url):
+            raise ValueError("attach mode needs `engine_urls` and `router_url`")
+        if self.mode == "launch" and not self.state_file:
+            raise ValueError("launch mode needs `state_file` (written by `pinned-eval fleet up`)")
+        return self
+
+    @property
+    def lock_name(self) -> str:
+        return f"fleet-{self.name}"
+
+    def state_path(self) -> Path | None:
+        return Path(self.state_file) if self.state_file else None

@@ -1,0 +1,43 @@
+"""Sinks block: where an eval point's metrics go, besides the Prefect artifacts every point writes.
+
+JSONL rows are keyed (run, step, dataset) and a rerun replaces its rows; W&B joins the training
+run (same run id, resume) and logs at `eval/step`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+from blocks._meta import DOCS_URL, LOGO_URL
+
+
+class SinksBlock(Block):
+    """Metric sinks for eval points: a JSONL file and, optionally, the training run's W&B run."""
+
+    _block_type_name = "pinned-eval Sinks"
+    _block_type_slug = "pinned-eval-sinks"
+    _logo_url = LOGO_URL
+    _documentation_url = DOCS_URL
+    _description = "JSONL and W&B sinks for eval metrics (Prefect artifacts are always written)."
+    _code_example = """
+    from blocks import SinksBlock
+
+    sinks = SinksBlock.load("BLOCK_NAME")
+    print(sinks.jsonl_path)
+    """
+
+    jsonl_path: str | None = Field(
+        default=None, description="Metrics file; one row per (run, step, dataset), reruns replace rows."
+    )
+    wandb_project: str | None = Field(default=None, description="W&B project; unset disables W&B.")
+    wandb_entity: str | None = Field(default=None, description="W&B entity (team or user).")
+    wandb_run_id: str | None = Field(
+        default=None, description="W&B run id of the training run to join; default: the pinned-eval run name."
+    )
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        default="offline", description="W&B mode; `offline` writes locally for a later `wandb sync`."
+    )
+    wandb_dir: str | None = Field(default=None, description="Directory for W&B's local files.")

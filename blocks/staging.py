@@ -1,0 +1,76 @@
+"""Staging block: where snapshots the orchestrator owns live — a local root or `s3://bucket/prefix`.
+
+Invariants: every delete is confined to `root`; S3 credentials are secret fields, never flow
+parameters; `keep_snapshots` owned snapshots per run survive for reruns (the keep-ring).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr
+
+from blocks._meta import DOCS_URL, LOGO_URL
+
+if TYPE_CHECKING:
+    from pinned_eval.snapshot.staging import Staging
+
+
+class StagingBlock(Block):
+    """Snapshot staging on local disk (tmpfs recommended) or S3, with a keep-ring for reruns."""
+
+    _block_type_name = "pinned-eval Staging"
+    _block_type_slug = "pinned-eval-staging"
+    _logo_url = LOGO_URL
+    _documentation_url = DOCS_URL
+    _description = "Local or S3 staging for eval snapshots, with a keep-ring and a bounded local cache."
+    _code_example = """
+    from blocks import StagingBlock
+
+    staging = StagingBlock.load("BLOCK_NAME")
+    print(staging.root, staging.keep_snapshots)
+    """
+
+    root: str = Field(description="Local directory or `s3://bucket/prefix` that holds owned snapshots.")
+    keep_snapshots: int = Field(
+        default=2, ge=0, le=1000, description="Owned snapshots kept per run after their point settles."
+    )
+    endpoint_url: str | None = Field(default=None, description="S3 endpoint URL (MinIO, moto, ...).")
+    region_name: str | None = Field(default=None, description="S3 region.")
+    aws_access_key_id: SecretStr | None = Field(default=None, description="S3 access key id.")
+    aws_secret_access_key: SecretStr | None = Field(default=None, description="S3 secret access key.")
+    cache_dir: str | None = Field(
+        default=None, description="Engine-visible local cache that S3 snapshots are materialized into."
+    )
+    cache_max_bytes: int | None = Field(
+        default=None, ge=0, description="Bound of the local cache; least recently used snapshots go first."
+    )
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options for `root` (empty for a local root)."""
+        if not self.root.startswith("s3://"):
+            return {}
+        opts: dict[str, Any] = {}
+        if self.endpoint_url:
+            opts["endpoint_url"] = self.endpoint_url
+        if self.region_name:
+            opts["client_kwargs"] = {"region_name": self.region_name}
+        if self.aws_access_key_id:
+            opts["key"] = self.aws_access_key_id.get_secret_value()
+        if self.aws_secret_access_key:
+            opts["secret"] = self.aws_secret_access_key.get_secret_value()
+        return opts
+
+    def staging(self) -> Staging:
+        from pathlib import Path
+
+        from pinned_eval.snapshot.staging import Staging
+
+        return Staging(
+            self.root,
+            storage_options=self.storage_options(),
+            keep_snapshots=self.keep_snapshots,
+            cache_dir=Path(self.cache_dir) if self.cache_dir else None,
+            cache_max_bytes=self.cache_max_bytes,
+        )

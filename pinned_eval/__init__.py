@@ -1,0 +1,1 @@
+"""pinned-eval: one Prefect flow run per pinned, verified evaluation point."""

@@ -1,0 +1,27 @@
+"""The `pinned-eval` command line. Every verb lives in `pinned_eval/commands/<family>.py`.
+
+Exit codes: 0 success; 1 the operation failed (message on stderr); 2 bad usage or input.
+Heavy imports (torch, transformers, prefect) happen inside the verbs, so `--help` is fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from pinned_eval.commands import engine, fleet, snapshot
+
+app = typer.Typer(
+    name="pinned-eval",
+    help="Evaluation points for fully-async RL training, one Prefect flow run per pinned weight version.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+app.add_typer(engine.app, name="engine")
+app.add_typer(fleet.app, name="fleet")
+app.add_typer(snapshot.app, name="snapshot")
+app.command("tiny-model")(engine.tiny_model)
+app.command("export")(snapshot.export)
+
+
+if __name__ == "__main__":
+    app()

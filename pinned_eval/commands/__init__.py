@@ -1,0 +1,1 @@
+"""CLI verb families; each module exposes a typer `app` (and top-level verbs where noted)."""

@@ -1,0 +1,115 @@
+"""The eval point's vocabulary, shared by the trainer side and the orchestrator (no Prefect import).
+
+An eval point is (run, step, snapshot source, final?). Its weight version is `str(step)`; its
+flow run is named `<run>/step-<step>`; the event that requests it has the deterministic id
+uuid5(run, step), so a retried send is one point.
+"""
+
+from __future__ import annotations
+
+import uuid
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RUN_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+EVENT_REQUESTED = "pinned-eval.point.requested"
+_EVENT_NAMESPACE = uuid.UUID("6f1c1f4e-6a43-4a8e-9d0e-7d8f3c1b2a90")
+
+
+class SourceKind(StrEnum):
+    HF = "hf"  # an HF directory the trainer saved; reused, never deleted
+    STAGED = "staged"  # exported in-loop into staging; owned by the point
+    MEGATRON = "megatron"  # a torch_dist checkpoint converted by the point; owned
+    STATE_DICT = "state_dict"  # a safetensors/torch file + base HF dir; owned
+
+
+class Posture(StrEnum):
+    FLEET = "fleet"
+    SHARED = "shared"
+    EXTERNAL = "external"
+
+
+class SnapshotSource(BaseModel):
+    """Where a point's weights come from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: SourceKind = Field(description="Source kind: hf, staged, megatron or state_dict.")
+    path: str = Field(min_length=1, description="Directory, file or URL of the weights.")
+    hf_base: str | None = Field(
+        default=None, description="Base HF dir for config/tokenizer (megatron, state_dict)."
+    )
+    require_marker: bool = Field(
+        default=True, description="Require the `.complete` marker (False only for a base checkpoint)."
+    )
+
+    @model_validator(mode="after")
+    def _base_needed(self) -> SnapshotSource:
+        if self.kind is SourceKind.STATE_DICT and not self.hf_base:
+            raise ValueError("source kind 'state_dict' needs `hf_base` (config and tokenizer)")
+        return self
+
+    @property
+    def owned(self) -> bool:
+        """Whether the point that uses this source owns (and so retires) the snapshot."""
+        return self.kind is not SourceKind.HF
+
+
+class PointRequest(BaseModel):
+    """One requested eval point: the event payload and the flow's per-point parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run: str = Field(pattern=RUN_PATTERN, description="Training run name, e.g. `exp42`.")
+    step: int = Field(ge=0, description="Training step whose weights are measured.")
+    source: SnapshotSource = Field(description="Snapshot source of the step's weights.")
+    final: bool = Field(default=False, description="The run's final point: never skipped as busy.")
+    posture: Posture = Field(default=Posture.FLEET, description="fleet, shared or external.")
+    policy: Literal["backpressure", "skip"] = Field(
+        default="backpressure", description="At the in-flight bound: wait, or skip as busy."
+    )
+    max_in_flight: int = Field(default=2, ge=1, le=64, description="In-flight bound of the run.")
+    export_time_seconds: float | None = Field(
+        default=None, ge=0, description="Seconds an in-loop export took, when the trainer exported."
+    )
+
+    @property
+    def weight_version(self) -> str:
+        return str(self.step)
+
+    @property
+    def event_id(self) -> uuid.UUID:
+        return point_event_id(self.run, self.step)
+
+
+def weight_version(step: int) -> str:
+    return str(step)
+
+
+def flow_run_name(run: str, step: int) -> str:
+    return f"{run}/step-{step}"
+
+
+def point_event_id(run: str, step: int) -> uuid.UUID:
+    """Deterministic event id: the same (run, step) is the same event, however often it is sent."""
+    return uuid.uuid5(_EVENT_NAMESPACE, f"{run}:{step}")
+
+
+def run_resource_id(run: str) -> str:
+    return f"pinned-eval.run.{run}"
+
+
+def inflight_limit_name(run: str) -> str:
+    return f"eval-inflight-{run}"
+
+
+def progress_variable_name(run: str) -> str:
+    """Prefect Variable holding the trainer's latest reported step (for `eval/lag_steps`)."""
+    return f"pinned_eval_progress_{run.replace('-', '_')}"
+
+
+def history_artifact_key(run: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return f"eval-{run.replace('_', '-')}"

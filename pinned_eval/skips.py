@@ -1,0 +1,46 @@
+"""Typed skip reasons: every eval point that does not measure says why, at its step.
+
+Contract: tasks raise `EvalSkipped(SkipReason.X, message)`; the eval-point flow catches exactly
+that type, records `eval/skipped_<reason>: 1` at the step in every sink and ends the run in a
+Completed state named "Skipped". External backends may raise custom reasons (any slug string);
+`skip_reason()` normalises them. This module imports nothing heavy (no Prefect, no torch).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+_SLUG = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+class SkipReason(StrEnum):
+    BUSY = "busy"
+    EXPORT_FAILED = "export_failed"
+    CKPT_MISSING = "ckpt_missing"
+    UNHEALTHY = "unhealthy"
+    PIN_VIOLATION = "pin_violation"
+    CRASHED = "crashed"
+
+
+def skip_reason(value: str | SkipReason) -> str:
+    """Return the canonical reason string; custom reasons must be lowercase slugs."""
+    if isinstance(value, SkipReason):
+        return value.value
+    if not _SLUG.match(value):
+        raise ValueError(f"skip reason must be a lowercase slug like 'quota', got {value!r}")
+    return value
+
+
+def skip_metric(reason: str | SkipReason) -> str:
+    """The metric key a skip is logged under, e.g. `eval/skipped_busy`."""
+    return f"eval/skipped_{skip_reason(reason)}"
+
+
+class EvalSkipped(Exception):
+    """An attributable non-result at a step. `reason` is a SkipReason value or a custom slug."""
+
+    def __init__(self, reason: str | SkipReason, message: str = "") -> None:
+        self.reason = skip_reason(reason)
+        self.message = message or self.reason
+        super().__init__(f"{self.reason}: {self.message}")
