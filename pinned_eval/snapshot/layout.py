@@ -1,0 +1,86 @@
+"""What a snapshot looks like on storage: file names, the `.complete` manifest, fsspec resolution.
+
+Invariants shared by the writer, the check and staging (no torch import here):
+- weights live in `model-{i:05d}-of-{N:05d}.safetensors` (i from 1), listed in
+  `model.safetensors.index.json` = {"metadata": {"total_size", "export_id"}, "weight_map"};
+- every shard header's `__metadata__` carries the same `export_id` as the index and the marker,
+  so a marker left over from an earlier export is detected from headers alone;
+- `.complete` is written last and holds a `Manifest` (JSON); a bare marker (e.g. miles'
+  `touch .complete`) is accepted, but staleness is then judged by modification times only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import fsspec
+from fsspec import AbstractFileSystem
+from pydantic import BaseModel, ConfigDict, Field
+
+MARKER = ".complete"
+INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MANIFEST_FORMAT = "pinned-eval-snapshot/1"
+EXPORT_ID_KEY = "pinned_eval_export_id"
+# Never copied from a base HF dir: weights in any format and their indexes.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".distcp")
+
+
+def shard_name(i: int, n: int) -> str:
+    """1-based shard file name, the Hugging Face convention."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+
+class Manifest(BaseModel):
+    """Content of `.complete`: vouches for exactly one export (id, index digest, file sizes)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    format: Literal["pinned-eval-snapshot/1"] = MANIFEST_FORMAT
+    export_id: str
+    index_sha256: str
+    total_size: int = Field(ge=0)
+    files: dict[str, int] = Field(description="every file of the snapshot except the marker -> size")
+    created_at: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class IndexMetadata(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    total_size: int = Field(ge=0)
+    export_id: str | None = None
+
+
+class Index(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    metadata: IndexMetadata
+    weight_map: dict[str, str]
+
+
+def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
+    """(filesystem, path without protocol) for a local path or URL.
+
+    S3 listings are not cached: other processes (trainers, other points) write the same prefixes.
+    """
+    opts = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")):
+        opts.setdefault("use_listings_cache", False)
+    fs, path = fsspec.core.url_to_fs(url, **opts)
+    return fs, path.rstrip("/") or path
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def join(fs: AbstractFileSystem, base: str, name: str) -> str:
+    return f"{base.rstrip(fs.sep)}{fs.sep}{name}" if is_local(fs) else f"{base.rstrip('/')}/{name}"
+
+
+def to_url(fs: AbstractFileSystem, path: str) -> str:
+    """The user-facing form of a resolved path: plain path locally, `s3://...` otherwise."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
