@@ -1,0 +1,120 @@
+"""Load eval dataset rows (JSONL or Parquet) into typed `EvalSample`s.
+
+Contract:
+- `EvalSample.index` is the 0-based position among the loaded rows (blank JSONL lines skipped);
+  `max_prompts` keeps the first N rows.
+- `prompt` is a string, or (only with `apply_chat_template`) a list of `{role, content}` messages.
+- `label` is a string; integer and float labels are converted with `str()` (JSON `7` -> "7").
+- `metadata` holds every other column of the row, unchanged.
+- Any bad row raises `DatasetError` naming the file, the JSONL line (1-based) or Parquet row
+  (0-based), and the offending key. Nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pinned_eval.suite import ResolvedDataset
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+class DatasetError(ValueError):
+    """A dataset file or row that cannot be used; the message names file, line/row and key."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvalSample:
+    """One prompt of an eval dataset."""
+
+    index: int
+    prompt: str | list[dict[str, Any]]
+    label: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def load_dataset(spec: ResolvedDataset) -> list[EvalSample]:
+    """Read `spec.path` and return its prompts (at most `spec.max_prompts`)."""
+    path = Path(spec.path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found (dataset {spec.name!r})")
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        rows = _jsonl_rows(path)
+    elif name.endswith(PARQUET_SUFFIXES):
+        rows = _parquet_rows(path)
+    else:
+        raise DatasetError(f"{path}: unsupported extension (use {JSONL_SUFFIXES + PARQUET_SUFFIXES})")
+    samples: list[EvalSample] = []
+    for where, row in rows:
+        if spec.max_prompts is not None and len(samples) >= spec.max_prompts:
+            break
+        samples.append(_to_sample(len(samples), f"{path}: {where}", row, spec))
+    if not samples:
+        raise DatasetError(f"{path}: dataset {spec.name!r} has no rows")
+    return samples
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from exc
+            yield f"line {lineno}", row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa  # imported lazily: only Parquet datasets need it
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: cannot read Parquet ({exc})") from exc
+    for i, row in enumerate(table.to_pylist()):
+        yield f"row {i}", row
+
+
+def _to_sample(index: int, where: str, row: Any, spec: ResolvedDataset) -> EvalSample:
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected an object, got {type(row).__name__}")
+    for key in (spec.input_key, spec.label_key):
+        if key not in row:
+            raise DatasetError(f"{where}: missing key {key!r} (has {sorted(row)})")
+    prompt = row[spec.input_key]
+    if spec.apply_chat_template:
+        if not (isinstance(prompt, str) or _is_messages(prompt)):
+            raise DatasetError(
+                f"{where}: key {spec.input_key!r} must be a string or a list of {{role, content}}"
+            )
+    elif not isinstance(prompt, str):
+        raise DatasetError(
+            f"{where}: key {spec.input_key!r} must be a string, got {type(prompt).__name__} "
+            "(chat message lists need apply_chat_template)"
+        )
+    label = row[spec.label_key]
+    if isinstance(label, bool) or not isinstance(label, str | int | float):
+        raise DatasetError(f"{where}: key {spec.label_key!r} must be a string or a number, got {label!r:.80}")
+    metadata = {k: v for k, v in row.items() if k not in (spec.input_key, spec.label_key)}
+    return EvalSample(index=index, prompt=prompt, label=str(label), metadata=metadata)
+
+
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
