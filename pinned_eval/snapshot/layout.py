@@ -2,7 +2,7 @@
 
 Invariants shared by the writer, the check and staging (no torch import here):
 - weights live in `model-{i:05d}-of-{N:05d}.safetensors` (i from 1), listed in
-  `model.safetensors.index.json` = {"metadata": {"total_size", "export_id"}, "weight_map"};
+  `model.safetensors.index.json` = {"metadata": {"total_size", EXPORT_ID_KEY}, "weight_map"};
 - every shard header's `__metadata__` carries the same `export_id` as the index and the marker,
   so a marker left over from an earlier export is detected from headers alone;
 - `.complete` is written last and holds a `Manifest` (JSON); a bare marker (e.g. miles'
@@ -52,7 +52,7 @@ class Manifest(BaseModel):
 class IndexMetadata(BaseModel):
     model_config = ConfigDict(extra="allow")
     total_size: int = Field(ge=0)
-    export_id: str | None = None
+    export_id: str | None = Field(default=None, alias=EXPORT_ID_KEY)
 
 
 class Index(BaseModel):

@@ -1,0 +1,256 @@
+"""Is a snapshot complete? Header reads only, local or S3 through fsspec (ranged reads).
+
+`check_snapshot` answers `complete=True` only when every one of these holds, checked in this order
+(the first failure is reported as a typed `SnapshotProblem`):
+1. `.complete` exists (`missing_marker`);
+2. the index exists and parses (`missing_index`, `bad_index`); a snapshot with a single
+   `model.safetensors` and no index is read as one shard;
+3. every shard named by the index exists (`missing_shard`); its 8-byte length and JSON header
+   parse and describe contiguous tensors (`bad_header`); file size == 8 + header + data end
+   (`truncated_shard` when shorter, `shard_size_mismatch` when longer); the header's tensor names
+   equal the index names mapped to that shard (`header_mismatch`);
+4. the sum of tensor bytes equals `metadata.total_size` (`total_size_mismatch`);
+5. the marker vouches for these files (`stale_marker`): a `Manifest` marker must carry the export
+   id found in the index and every shard header, the index's sha256, and every listed file's size
+   (`missing_file` when one is gone; `bad_marker` when it is not a manifest). A bare (empty)
+   marker, as miles writes, cannot name an export: it is stale when older than any shard/index.
+
+It never raises on corrupt content (only on I/O errors of the store itself) and reads no tensor data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from pydantic import ValidationError
+
+from pinned_eval.snapshot.layout import (
+    EXPORT_ID_KEY,
+    INDEX,
+    MARKER,
+    SINGLE_FILE,
+    Index,
+    Manifest,
+    join,
+    resolve,
+    to_url,
+)
+
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+MAX_HEADER = 100_000_000  # safetensors' own limit
+
+
+class SnapshotProblem(StrEnum):
+    MISSING_MARKER = "missing_marker"
+    MISSING_INDEX = "missing_index"
+    BAD_INDEX = "bad_index"
+    MISSING_SHARD = "missing_shard"
+    BAD_HEADER = "bad_header"
+    TRUNCATED_SHARD = "truncated_shard"
+    SHARD_SIZE_MISMATCH = "shard_size_mismatch"
+    HEADER_MISMATCH = "header_mismatch"
+    TOTAL_SIZE_MISMATCH = "total_size_mismatch"
+    BAD_MARKER = "bad_marker"
+    MISSING_FILE = "missing_file"
+    STALE_MARKER = "stale_marker"
+
+
+P = SnapshotProblem
+
+
+@dataclass(frozen=True)
+class SnapshotCheck:
+    path: str
+    complete: bool
+    problem: SnapshotProblem | None
+    detail: str
+    total_size: int | None = None  # tensor bytes, when the index parsed
+    shards: int | None = None
+
+
+class _Incomplete(Exception):
+    """Internal control flow: the first problem found; never escapes this module."""
+
+    def __init__(self, problem: SnapshotProblem, detail: str) -> None:
+        self.problem, self.detail = problem, detail
+
+
+@dataclass(frozen=True)
+class _Header:
+    names: set[str]
+    data_bytes: int
+    export_id: str | None
+
+
+def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
+    """Validate a safetensors JSON header; return it and the end of its data section."""
+    def bad(why: str) -> _Incomplete:
+        return _Incomplete(P.BAD_HEADER, f"{fname}: {why}")
+    try:
+        hdr = json.loads(raw)
+    except ValueError as e:
+        raise bad(f"header is not JSON ({e})") from None
+    if not isinstance(hdr, dict):
+        raise bad("header is not a JSON object")
+    meta = hdr.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise bad("__metadata__ is not an object")
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in hdr.items():
+        if not isinstance(entry, dict):
+            raise bad(f"entry {name!r} is not an object")
+        dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_SIZES:
+            raise bad(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {name!r}: bad shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
+            raise bad(f"tensor {name!r}: bad data_offsets {offs!r}")
+        if offs[1] - offs[0] != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise bad(f"tensor {name!r}: data_offsets {offs} do not fit shape {shape} of {dtype}")
+        spans.append((offs[0], offs[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise bad(f"tensor {name!r} starts at {begin}, expected {end} (gap or overlap)")
+        end = stop
+    export_id = meta.get(EXPORT_ID_KEY)
+    return _Header(set(hdr), end, export_id if isinstance(export_id, str) else None), end
+
+
+def _read_shard_header(fs: AbstractFileSystem, path: str, fname: str, size: int) -> _Header:
+    if size < 8:
+        raise _Incomplete(P.TRUNCATED_SHARD, f"{fname}: {size} bytes, shorter than a header")
+    try:
+        (n,) = struct.unpack("<Q", fs.cat_file(path, start=0, end=8))
+        if n > MAX_HEADER:
+            raise _Incomplete(P.BAD_HEADER, f"{fname}: header length {n} exceeds {MAX_HEADER}")
+        if 8 + n > size:
+            raise _Incomplete(P.TRUNCATED_SHARD, f"{fname}: header of {n} bytes, file {size} bytes")
+        header, end = _parse_header(fname, fs.cat_file(path, start=8, end=8 + n))
+    except FileNotFoundError:
+        raise _Incomplete(P.MISSING_SHARD, f"{fname}: vanished while checking") from None
+    expected = 8 + n + end
+    if size < expected:
+        raise _Incomplete(P.TRUNCATED_SHARD, f"{fname}: size {size} < {expected} from its header")
+    if size > expected:
+        raise _Incomplete(P.SHARD_SIZE_MISMATCH, f"{fname}: size {size} > {expected} from its header")
+    return header
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    value = info.get("mtime", info.get("LastModified"))
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return float(value) if value is not None else 0.0
+
+
+def _listing(fs: AbstractFileSystem, root: str) -> dict[str, dict[str, Any]]:
+    try:
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e["type"] == "file"}
+
+
+def _check(fs: AbstractFileSystem, root: str) -> tuple[int, int]:
+    files = _listing(fs, root)
+    if not files:
+        raise _Incomplete(P.MISSING_MARKER, f"no snapshot files at {to_url(fs, root)}")
+    if MARKER not in files:
+        raise _Incomplete(P.MISSING_MARKER, f"{MARKER} is missing")
+
+    index_bytes: bytes | None = None
+    index_export_id: str | None = None
+    headers: dict[str, _Header] = {}
+    if INDEX in files:
+        index_bytes = fs.cat_file(join(fs, root, INDEX))
+        try:
+            index = Index.model_validate_json(index_bytes)
+        except ValidationError as e:
+            raise _Incomplete(P.BAD_INDEX, f"{INDEX}: {e.errors()[0]['msg']}") from None
+        weight_map, total_size = index.weight_map, index.metadata.total_size
+        index_export_id = index.metadata.export_id
+        if not weight_map:
+            raise _Incomplete(P.BAD_INDEX, f"{INDEX}: weight_map is empty")
+        bad_names = sorted({f for f in weight_map.values() if "/" in f or "\\" in f or f.startswith(".")})
+        if bad_names:
+            raise _Incomplete(P.BAD_INDEX, f"{INDEX}: shard names outside the dir {bad_names[:3]}")
+    elif SINGLE_FILE in files:
+        single = _read_shard_header(fs, join(fs, root, SINGLE_FILE), SINGLE_FILE, files[SINGLE_FILE]["size"])
+        weight_map = dict.fromkeys(single.names, SINGLE_FILE)
+        total_size = single.data_bytes
+        headers[SINGLE_FILE] = single
+    else:
+        raise _Incomplete(P.MISSING_INDEX, f"{INDEX} is missing")
+
+    shard_names = sorted(set(weight_map.values()))
+    data_bytes = 0
+    for fname in shard_names:
+        if fname not in files:
+            raise _Incomplete(P.MISSING_SHARD, f"{fname} is missing")
+        if fname not in headers:
+            headers[fname] = _read_shard_header(fs, join(fs, root, fname), fname, files[fname]["size"])
+        expected = {k for k, v in weight_map.items() if v == fname}
+        got = headers[fname].names
+        if got != expected:
+            extra, missing = sorted(got - expected), sorted(expected - got)
+            raise _Incomplete(P.HEADER_MISMATCH,
+                              f"{fname}: not in index {extra[:3]}, missing from header {missing[:3]}")
+        data_bytes += headers[fname].data_bytes
+    if data_bytes != total_size:
+        raise _Incomplete(P.TOTAL_SIZE_MISMATCH,
+                          f"shards hold {data_bytes} tensor bytes, index says total_size {total_size}")
+
+    _check_marker(fs, root, files, index_bytes, index_export_id, headers)
+    return total_size, len(shard_names)
+
+
+def _check_marker(
+    fs: AbstractFileSystem, root: str, files: dict[str, dict[str, Any]], index_bytes: bytes | None,
+    index_export_id: str | None, headers: dict[str, _Header],
+) -> None:
+    raw = fs.cat_file(join(fs, root, MARKER)) if files[MARKER]["size"] else b""
+    if not raw.strip():  # bare marker: only modification times can tell an old one
+        marker_t = _mtime(files[MARKER])
+        newer = [f for f in [*headers, INDEX] if f in files and _mtime(files[f]) > marker_t]
+        if newer:
+            raise _Incomplete(P.STALE_MARKER, f"bare {MARKER} is older than {sorted(newer)[:3]}")
+        return
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValidationError as e:
+        raise _Incomplete(P.BAD_MARKER, f"{MARKER} is not a manifest: {e.errors()[0]['msg']}") from None
+    stale = P.STALE_MARKER
+    if index_bytes is not None and index_export_id != manifest.export_id:
+        raise _Incomplete(stale, f"{MARKER} is for export {manifest.export_id}, index {index_export_id}")
+    for fname, h in sorted(headers.items()):
+        if h.export_id != manifest.export_id:
+            raise _Incomplete(stale, f"{fname} is from export {h.export_id}, {MARKER} {manifest.export_id}")
+    if index_bytes is not None and hashlib.sha256(index_bytes).hexdigest() != manifest.index_sha256:
+        raise _Incomplete(stale, f"{INDEX} changed after {MARKER} was written")
+    for fname, size in sorted(manifest.files.items()):
+        if fname not in files:
+            raise _Incomplete(P.MISSING_FILE, f"{fname} listed in {MARKER} is missing")
+        if files[fname]["size"] != size:
+            raise _Incomplete(stale, f"{fname}: {files[fname]['size']} bytes, {MARKER} says {size}")
+
+
+def check_snapshot(path_or_url: str, storage_options: dict[str, Any] | None = None) -> SnapshotCheck:
+    """Check one snapshot directory (local path or `s3://bucket/prefix`); see the module docstring."""
+    fs, root = resolve(path_or_url, storage_options)
+    url = to_url(fs, root)
+    try:
+        total, shards = _check(fs, root)
+    except _Incomplete as e:
+        return SnapshotCheck(url, False, e.problem, e.detail)
+    return SnapshotCheck(url, True, None, f"complete: {shards} shards, {total} tensor bytes", total, shards)
