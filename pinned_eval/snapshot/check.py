@@ -25,7 +25,6 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -39,6 +38,7 @@ from pinned_eval.snapshot.layout import (
     SINGLE_FILE,
     Index,
     Manifest,
+    file_mtime,
     join,
     resolve,
     to_url,
@@ -147,13 +147,6 @@ def _read_shard_header(fs: AbstractFileSystem, path: str, fname: str, size: int)
     return header
 
 
-def _mtime(info: dict[str, Any]) -> float:
-    value = info.get("mtime", info.get("LastModified"))
-    if isinstance(value, datetime):
-        return value.timestamp()
-    return float(value) if value is not None else 0.0
-
-
 def _listing(fs: AbstractFileSystem, root: str) -> dict[str, dict[str, Any]]:
     try:
         entries = fs.ls(root, detail=True)
@@ -221,8 +214,8 @@ def _check_marker(
 ) -> None:
     raw = fs.cat_file(join(fs, root, MARKER)) if files[MARKER]["size"] else b""
     if not raw.strip():  # bare marker: only modification times can tell an old one
-        marker_t = _mtime(files[MARKER])
-        newer = [f for f in [*headers, INDEX] if f in files and _mtime(files[f]) > marker_t]
+        marker_t = file_mtime(files[MARKER])
+        newer = [f for f in [*headers, INDEX] if f in files and file_mtime(files[f]) > marker_t]
         if newer:
             raise _Incomplete(P.STALE_MARKER, f"bare {MARKER} is older than {sorted(newer)[:3]}")
         return

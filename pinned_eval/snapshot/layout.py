@@ -11,6 +11,7 @@ Invariants shared by the writer, the check and staging (no torch import here):
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 import fsspec
@@ -84,3 +85,11 @@ def join(fs: AbstractFileSystem, base: str, name: str) -> str:
 def to_url(fs: AbstractFileSystem, path: str) -> str:
     """The user-facing form of a resolved path: plain path locally, `s3://...` otherwise."""
     return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def file_mtime(info: dict[str, Any]) -> float:
+    """Modification time (epoch seconds) from an fsspec `ls(detail=True)` entry, local or S3."""
+    value = info.get("mtime", info.get("LastModified"))
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return float(value) if value is not None else 0.0

@@ -1,0 +1,305 @@
+"""Staging: where owned snapshots live (a local root or `s3://bucket/prefix`), one fsspec code path.
+
+Layout: `<root>/<run>/step_<step:08d>/` holds one snapshot. Invariants:
+- `delete` (and every delete made by `retire`/`put`) is confined to strictly below `root`: a path
+  with a `..` segment, a symlink, a local path resolving outside the root, another bucket or
+  another prefix raises `StagingPathError` before anything is deleted; the marker goes first so
+  readers stop trusting a snapshot that is being removed;
+- `put` uploads marker-last and refuses an incomplete source;
+- `retire(path, owned=False)` never deletes anything (e.g. an `hf` source the trainer owns);
+  owned snapshots are marked `.retired` and enter the run's keep-ring: the newest
+  `keep_snapshots` retired snapshots (by step) are kept for reruns, older retired ones deleted;
+  snapshots not yet retired (points still running) are never touched; `keep_snapshots=0` deletes
+  at once;
+- `materialize(url)` returns an engine-visible local path: a local snapshot is checked and
+  returned as is; an S3 snapshot is checked, downloaded marker-last into a bounded local cache
+  (LRU by size; the entry just used is never evicted), and checked again after download.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import hashlib
+import os
+import posixpath
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pinned_eval.points import RUN_PATTERN
+from pinned_eval.settings import get_settings
+from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
+from pinned_eval.snapshot.layout import MARKER, file_mtime, is_local, join, resolve, to_url
+
+RETIRED = ".retired"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_RUN = re.compile(RUN_PATTERN)
+
+
+class StagingPathError(ValueError):
+    """A path given to staging lies outside its root (or is not a snapshot path of it)."""
+
+
+class SnapshotIncompleteError(RuntimeError):
+    """A snapshot failed its completeness check where a complete one is required."""
+
+    def __init__(self, check: SnapshotCheck) -> None:
+        self.check = check
+        super().__init__(f"snapshot {check.path} is not complete: {check.problem}: {check.detail}")
+
+
+@dataclass(frozen=True)
+class StagedSnapshot:
+    run: str
+    step: int
+    path: str
+    complete: bool
+    retired: bool
+    mtime: float  # newest file modification time (epoch seconds)
+
+
+@dataclass(frozen=True)
+class RetireResult:
+    path: str
+    owned: bool
+    deleted: list[str]
+    kept: list[str]
+
+
+class Staging:
+    def __init__(
+        self,
+        root: str,
+        storage_options: dict[str, Any] | None = None,
+        keep_snapshots: int = 2,
+        cache_dir: Path | None = None,
+        cache_max_bytes: int | None = None,
+    ) -> None:
+        if keep_snapshots < 0:
+            raise ValueError(f"keep_snapshots must be >= 0, got {keep_snapshots}")
+        if cache_max_bytes is not None and cache_max_bytes < 0:
+            raise ValueError(f"cache_max_bytes must be >= 0, got {cache_max_bytes}")
+        self.storage_options = dict(storage_options or {})
+        self.fs, root_path = resolve(root, self.storage_options)
+        self.local = is_local(self.fs)
+        if self.local:
+            root_path = os.path.realpath(root_path)
+        elif not root_path.strip("/"):
+            raise StagingPathError(f"staging root {root!r} names no bucket")
+        self.root_path = root_path
+        self.root = to_url(self.fs, root_path)
+        self.keep_snapshots = keep_snapshots
+        self.cache_dir = Path(cache_dir) if cache_dir else get_settings().home / "snapshot-cache"
+        self.cache_max_bytes = cache_max_bytes
+
+    # ---- paths -------------------------------------------------------------------------------
+
+    def path_for(self, run: str, step: int) -> str:
+        if not _RUN.match(run):
+            raise StagingPathError(f"run {run!r} must match {RUN_PATTERN}")
+        if step < 0:
+            raise StagingPathError(f"step must be >= 0, got {step}")
+        return to_url(self.fs, join(self.fs, self.root_path, f"{run}/step_{step:08d}"))
+
+    def _confine(self, path: str) -> str:
+        """The fs path of `path` if it lies strictly below the root; raise before any delete."""
+        if any(seg == ".." for seg in re.split(r"[/\\]", path)):
+            raise StagingPathError(f"{path!r} contains a '..' segment")
+        if self.local:
+            if "://" in path and not path.startswith("file://"):
+                raise StagingPathError(f"{path!r} is not on the local staging root {self.root}")
+            raw = path.removeprefix("file://")
+            if not os.path.isabs(raw):
+                raise StagingPathError(f"{path!r} is not an absolute path under {self.root}")
+            if os.path.islink(raw.rstrip(os.sep)):
+                raise StagingPathError(f"{path!r} is a symlink; staging deletes only real directories")
+            real = os.path.realpath(raw)
+            if not real.startswith(self.root_path + os.sep):
+                raise StagingPathError(f"{path!r} resolves to {real!r}, outside staging root {self.root}")
+            return real
+        if not path.startswith(("s3://", "s3a://")):
+            raise StagingPathError(f"{path!r} is not an s3:// URL under staging root {self.root}")
+        fs_path = posixpath.normpath(path.split("://", 1)[1])
+        if fs_path.split("/", 1)[0] != self.root_path.split("/", 1)[0]:
+            raise StagingPathError(f"{path!r} is in another bucket than staging root {self.root}")
+        if not fs_path.startswith(self.root_path + "/"):
+            raise StagingPathError(f"{path!r} is outside staging root {self.root}")
+        return fs_path
+
+    def _run_step(self, fs_path: str) -> tuple[str, int]:
+        rel = fs_path[len(self.root_path) + 1 :].replace(os.sep, "/")
+        parts = rel.split("/")
+        m = _STEP_DIR.match(parts[-1]) if len(parts) == 2 else None
+        if not m or not _RUN.match(parts[0]):
+            raise StagingPathError(f"{rel!r} is not <run>/step_<step> under staging root {self.root}")
+        return parts[0], int(m.group(1))
+
+    # ---- snapshots ---------------------------------------------------------------------------
+
+    def check(self, path: str) -> SnapshotCheck:
+        return check_snapshot(path, self.storage_options)
+
+    def put(self, local_dir: str | Path, run: str, step: int) -> str:
+        """Copy/upload a complete local snapshot to `path_for(run, step)`, marker last."""
+        src = os.path.realpath(local_dir)
+        result = check_snapshot(src)
+        if not result.complete:
+            raise SnapshotIncompleteError(result)
+        dest = self.path_for(run, step)
+        fs_dest = self._confine(dest)
+        if self.local and src == fs_dest:
+            return dest
+        if self.fs.exists(fs_dest):
+            self.delete(dest)
+        names = sorted(n for n in os.listdir(src) if os.path.isfile(os.path.join(src, n)) and n != MARKER)
+        try:
+            if self.local:
+                self.fs.makedirs(fs_dest, exist_ok=True)
+            self.fs.put([os.path.join(src, n) for n in names], [join(self.fs, fs_dest, n) for n in names])
+            self.fs.put_file(os.path.join(src, MARKER), join(self.fs, fs_dest, MARKER))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.delete(dest)
+            raise
+        return dest
+
+    def list(self, run: str | None = None) -> builtins.list[StagedSnapshot]:
+        """Every `<run>/step_*` snapshot under the root (optionally one run's), oldest step first."""
+        runs = [run] if run is not None else [n for n, t in self._children(self.root_path) if t != "file"]
+        found = []
+        for r in runs:
+            if not _RUN.match(r):
+                continue
+            for name, kind in self._children(join(self.fs, self.root_path, r)):
+                m = _STEP_DIR.match(name)
+                if kind != "directory" or not m:
+                    continue
+                fs_path = join(self.fs, self.root_path, f"{r}/{name}")
+                files = self.fs.ls(fs_path, detail=True)
+                mtime = max((file_mtime(f) for f in files), default=0.0)
+                retired = any(f["name"].rstrip("/").endswith("/" + RETIRED) for f in files)
+                url = to_url(self.fs, fs_path)
+                complete = self.check(url).complete
+                found.append(StagedSnapshot(r, int(m.group(1)), url, complete, retired, mtime))
+        return sorted(found, key=lambda s: (s.run, s.step))
+
+    def _children(self, fs_path: str) -> builtins.list[tuple[str, str]]:
+        try:
+            entries = self.fs.ls(fs_path, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [(e["name"].rstrip("/").rsplit("/", 1)[-1], e["type"]) for e in entries]
+
+    def delete(self, path: str) -> None:
+        """Delete one snapshot strictly below the root: marker first, then everything else."""
+        fs_path = self._confine(path)
+        marker = join(self.fs, fs_path, MARKER)
+        if self.fs.exists(marker):
+            self.fs.rm_file(marker)
+        if self.fs.exists(fs_path):
+            self.fs.rm(fs_path, recursive=True)
+
+    def retire(self, path: str, owned: bool) -> RetireResult:
+        """The point is done with `path`: keep it in the run's keep-ring or delete it (if owned)."""
+        if not owned:
+            return RetireResult(path, owned=False, deleted=[], kept=[path])
+        fs_path = self._confine(path)
+        run, _ = self._run_step(fs_path)
+        if self.keep_snapshots == 0:
+            self.delete(path)
+            return RetireResult(path, owned=True, deleted=[path], kept=[])
+        if self.fs.exists(fs_path):  # a failed export may have left nothing to keep
+            stamp = datetime.now(UTC).isoformat().encode()
+            self.fs.pipe_file(join(self.fs, fs_path, RETIRED), stamp)
+        ring = sorted((s for s in self.list(run) if s.retired), key=lambda s: s.step, reverse=True)
+        kept, deleted = ring[: self.keep_snapshots], ring[self.keep_snapshots :]
+        for s in deleted:
+            self.delete(s.path)
+        return RetireResult(path, owned=True, deleted=[s.path for s in deleted], kept=[s.path for s in kept])
+
+    # ---- local materialization ---------------------------------------------------------------
+
+    def materialize(self, url: str) -> Path:
+        """An engine-visible local directory holding the complete snapshot at `url`."""
+        fs, fs_path = resolve(url, self.storage_options)
+        remote = check_snapshot(url, self.storage_options)
+        if not remote.complete:
+            raise SnapshotIncompleteError(remote)
+        if is_local(fs):
+            return Path(fs_path)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._clean_abandoned_tmp()
+        marker = fs.cat_file(join(fs, fs_path, MARKER))
+        digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+        entry = self.cache_dir / f"{'-'.join(fs_path.split('/')[-2:])}-{digest}"
+        if not self._cached(entry, marker):
+            tmp = self.cache_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                self._download(fs, fs_path, tmp)
+                if not self._cached(entry, marker):  # another process may have won the race
+                    if entry.exists():
+                        shutil.rmtree(entry)
+                    os.replace(tmp, entry)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        os.utime(entry)  # last use, for LRU eviction
+        self._evict(keep=entry)
+        return entry
+
+    def _cached(self, entry: Path, marker: bytes) -> bool:
+        local_marker = entry / MARKER
+        if not (local_marker.is_file() and local_marker.read_bytes() == marker):
+            return False
+        return check_snapshot(str(entry)).complete
+
+    def _download(self, fs: Any, fs_path: str, tmp: Path) -> None:
+        tmp.mkdir()
+        names = sorted(n for n, t in _ls_files(fs, fs_path) if n != MARKER)
+        fs.get([join(fs, fs_path, n) for n in names], [str(tmp / n) for n in names])
+        fs.get_file(join(fs, fs_path, MARKER), str(tmp / MARKER))
+        local = check_snapshot(str(tmp))
+        if not local.complete:
+            raise SnapshotIncompleteError(local)
+
+    def _clean_abandoned_tmp(self) -> None:
+        for d in self.cache_dir.glob(".tmp-*"):
+            pid = d.name.split("-")[1]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _evict(self, keep: Path) -> None:
+        if self.cache_max_bytes is None:
+            return
+        entries = [(d.stat().st_mtime, _dir_bytes(d), d) for d in self.cache_dir.iterdir()
+                   if d.is_dir() and not d.name.startswith(".")]
+        total = sum(size for _, size, _ in entries)
+        for _, size, d in sorted(entries):
+            if total <= self.cache_max_bytes:
+                break
+            if d != keep:
+                shutil.rmtree(d, ignore_errors=True)
+                total -= size
+
+
+def _ls_files(fs: Any, fs_path: str) -> builtins.list[tuple[str, str]]:
+    return [(e["name"].rstrip("/").rsplit("/", 1)[-1], e["type"]) for e in fs.ls(fs_path, detail=True)
+            if e["type"] == "file"]
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
