@@ -271,8 +271,8 @@ def _read_config_source(source: str | Path) -> tuple[str, str | None]:
         return source.read_text(encoding="utf-8"), str(source.absolute().parent)
     if source.startswith("base64:"):
         return base64.b64decode(source.removeprefix("base64:")).decode("utf-8"), None
-    if "\n" not in source and source.endswith((".yaml", ".yml", ".json")):
-        path = Path(source).expanduser()
+    path = Path(source).expanduser()
+    if "\n" not in source and (source.endswith((".yaml", ".yml", ".json")) or path.is_file()):
         if not path.is_file():
             raise FileNotFoundError(f"eval config file not found: {path}")
         return path.read_text(encoding="utf-8"), str(path.absolute().parent)

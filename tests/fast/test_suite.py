@@ -417,3 +417,9 @@ def test_missing_key_on_random_row_is_named(
         path = _write_jsonl(Path(tmp) / "r.jsonl", list(dicts))
         with pytest.raises(DatasetError, match=rf"r\.jsonl: line {bad + 1}: missing key '{dropped}'"):
             load_dataset(_resolved(path))
+
+
+def test_miles_config_file_with_any_extension(tmp_path: Path) -> None:
+    cfg = tmp_path / "eval.conf"
+    cfg.write_text("eval:\n  datasets:\n    - {name: a, path: a.jsonl}\n")
+    assert EvalSuite.from_miles_yaml(str(cfg)).resolved()[0].path == tmp_path / "a.jsonl"
