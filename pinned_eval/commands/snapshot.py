@@ -1,0 +1,125 @@
+"""`pinned-eval snapshot check|ls` and `pinned-eval export` (owned by the snapshot work).
+
+Exit codes: 0 success (check: the snapshot is complete); 1 the snapshot is incomplete or the
+export failed (reason on stderr); 2 bad usage. S3 credentials come from the standard AWS
+environment variables (botocore reads them); `--endpoint-url` (or `AWS_ENDPOINT_URL_S3` /
+`AWS_ENDPOINT_URL`) points at MinIO, moto or another S3-compatible store.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(help="Check and list HF snapshots (local or s3://).", no_args_is_help=True)
+
+EndpointOpt = Annotated[
+    str | None,
+    typer.Option("--endpoint-url", envvar=["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"],
+                 help="S3 endpoint URL (MinIO, moto, ...); credentials from AWS_* env vars."),
+]
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2e9 (decimal, as Hugging Face), '512MiB' -> 512 * 2**20, '1000' -> 1000 bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not a size like 2GB, 512MiB or 1000000")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise typer.BadParameter(f"{text!r} must be more than 0 bytes")
+    return size
+
+
+def _options(url: str, endpoint_url: str | None) -> dict[str, Any] | None:
+    if "://" not in url or url.startswith("file://"):
+        return None
+    return {"endpoint_url": endpoint_url} if endpoint_url else {}
+
+
+@app.command("check")
+def check(
+    path_or_url: Annotated[str, typer.Argument(help="Snapshot directory or s3://bucket/prefix.")],
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """Exit 0 when the snapshot is complete; otherwise print the reason and exit 1."""
+    from pinned_eval.snapshot.check import check_snapshot
+
+    result = check_snapshot(path_or_url, _options(path_or_url, endpoint_url))
+    if result.complete:
+        typer.echo(f"{result.path}: {result.detail}")
+        return
+    typer.echo(f"{result.path}: incomplete: {result.problem}: {result.detail}", err=True)
+    raise typer.Exit(code=1)
+
+
+@app.command("ls")
+def ls(
+    root: Annotated[str, typer.Argument(help="Staging root: a directory or s3://bucket/prefix.")],
+    run: Annotated[str | None, typer.Option(help="Only this run's snapshots.")] = None,
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """List the staged snapshots under ROOT: run, step, complete, retired, modified, path."""
+    from pinned_eval.snapshot.staging import Staging
+
+    staging = Staging(root, storage_options=_options(root, endpoint_url))
+    rows = staging.list(run)
+    typer.echo(f"{'run':<20} {'step':>10} {'complete':>8} {'retired':>7}  {'modified (UTC)':<19}  path")
+    for s in rows:
+        when = datetime.fromtimestamp(s.mtime, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        typer.echo(f"{s.run:<20} {s.step:>10} {s.complete!s:>8} {s.retired!s:>7}  {when:<19}  {s.path}")
+
+
+def export(
+    out: Annotated[str, typer.Option("--out", help="Destination directory or s3://bucket/prefix.")],
+    hf_base: Annotated[Path, typer.Option("--hf-base", help="Base HF dir: config and tokenizer files.",
+                                          exists=True, file_okay=False)],
+    megatron_ckpt: Annotated[Path | None, typer.Option("--megatron-ckpt", exists=True,
+                                                       help="Megatron torch_dist checkpoint dir.")] = None,
+    state_dict: Annotated[Path | None, typer.Option("--state-dict", exists=True, dir_okay=False,
+                                                    help="State dict file: .safetensors, .pt, .bin.")] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard byte budget.")] = "2GiB",
+    dtype: Annotated[str | None, typer.Option(help="Cast float weights (state dict): bfloat16...")] = None,
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """Export a Megatron checkpoint or a state dict to an HF snapshot (marker last)."""
+    if (megatron_ckpt is None) == (state_dict is None):
+        raise typer.BadParameter("give exactly one of --megatron-ckpt and --state-dict")
+    shard_bytes = parse_size(max_shard_size)
+    opts = _options(out, endpoint_url)
+    if megatron_ckpt is not None:
+        if dtype is not None:
+            raise typer.BadParameter("--dtype applies to --state-dict only (Megatron keeps the base dtype)")
+        try:
+            from pinned_eval.snapshot.megatron import export_megatron_checkpoint
+        except ImportError as e:
+            typer.echo(f"Megatron export is not available in this install: {e}", err=True)
+            raise typer.Exit(code=1) from None
+        run = partial(export_megatron_checkpoint, megatron_ckpt, str(hf_base), out,
+                      max_shard_bytes=shard_bytes, storage_options=opts)
+    else:
+        import torch
+
+        from pinned_eval.snapshot.state_dict import export_state_dict
+
+        cast = getattr(torch, dtype, None) if dtype else None
+        if dtype and not isinstance(cast, torch.dtype):
+            raise typer.BadParameter(f"--dtype {dtype!r} is not a torch dtype")
+        assert state_dict is not None
+        run = partial(export_state_dict, state_dict, hf_base, out, dtype=cast,
+                      max_shard_bytes=shard_bytes, storage_options=opts)
+    try:
+        result = run()
+    except (ValueError, KeyError, OSError) as e:  # plan/name mismatches, unreadable input, storage errors
+        typer.echo(f"export failed (partial output removed): {type(e).__name__}: {e}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(f"{result.path}: {result.shards} shards, {result.bytes} bytes in {result.seconds:.2f} s")
