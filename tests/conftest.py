@@ -22,3 +22,15 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real `prefect server start` (SQLite, filesystem lease storage) for the whole test run.
+
+    Yields the API URL; the process and its children are killed by PID at the end.
+    """
+    from tests.prefect_server import running_prefect_server
+
+    with running_prefect_server(tmp_path_factory.mktemp("prefect-home")) as api_url:
+        yield api_url

@@ -1,0 +1,40 @@
+"""Eval suite block: the datasets, sampling and rewards every point of a run is measured on.
+
+The suite is validated by `pinned_eval.suite.EvalSuite` (precedence dataset > defaults >
+fallbacks, as miles); `from_miles_yaml` takes miles' eval YAML (`eval.defaults`, `eval.datasets`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.suite import EvalSuite, ResolvedDataset
+
+
+class EvalSuiteBlock(Block):
+    """Eval datasets with sampling parameters and reward functions, as one named suite."""
+
+    _block_type_name = "pinned-eval Eval Suite"
+    _block_type_slug = "pinned-eval-suite"
+    _logo_url = LOGO_URL
+    _documentation_url = DOCS_URL
+    _description = "Eval datasets (JSONL/Parquet), sampling per dataset, rewards, pass@k."
+    _code_example = """
+    from blocks import EvalSuiteBlock
+
+    suite = EvalSuiteBlock.load("BLOCK_NAME")
+    print([d.name for d in suite.resolved()])
+    """
+
+    suite: EvalSuite = Field(description="Datasets, defaults and fallbacks with miles' precedence.")
+
+    @classmethod
+    def from_miles_yaml(cls, path: str | Path) -> EvalSuiteBlock:
+        return cls(suite=EvalSuite.from_miles_yaml(Path(path)))
+
+    def resolved(self) -> list[ResolvedDataset]:
+        return list(self.suite.resolved())

@@ -1,0 +1,59 @@
+"""Admission against a real Prefect server: the in-flight limit skips or waits, and never leaks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from prefect import get_client
+
+from pinned_eval.points import inflight_limit_name
+from pinned_eval.skips import EvalSkipped, SkipReason
+from tasks.admission import admitted, ensure_limit
+
+pytestmark = pytest.mark.e2e
+
+
+def active_slots(name: str) -> int:
+    with get_client(sync_client=True) as c:
+        return c.read_global_concurrency_limit_by_name(name).active_slots
+
+
+def test_skip_policy_skips_busy_when_full_and_final_waits(prefect_server: str) -> None:
+    run = "adm-skip"
+    with admitted(run, 1, policy="skip", final=False, max_in_flight=1):
+        assert active_slots(inflight_limit_name(run)) == 1
+        with pytest.raises(EvalSkipped) as info:
+            with admitted(run, 2, policy="skip", final=False, max_in_flight=1):
+                pytest.fail("admitted past a full limit")
+        assert info.value.reason == SkipReason.BUSY
+
+        # the final point waits instead of skipping: release the slot from another thread later
+    order: list[str] = []
+    hold = threading.Event()
+
+    def holder() -> None:
+        with admitted(run, 3, policy="skip", final=False, max_in_flight=1):
+            order.append("held")
+            hold.wait(10)
+        order.append("released")
+
+    t = threading.Thread(target=holder)
+    t.start()
+    while "held" not in order:
+        time.sleep(0.05)
+    threading.Timer(1.0, hold.set).start()
+    with admitted(run, 4, policy="skip", final=True, max_in_flight=1):
+        order.append("final admitted")
+    t.join(10)
+    assert order == ["held", "released", "final admitted"]
+    assert active_slots(inflight_limit_name(run)) == 0
+
+
+def test_existing_limit_size_is_kept(prefect_server: str) -> None:
+    run = "adm-size"
+    ensure_limit(inflight_limit_name(run), 3)
+    ensure_limit(inflight_limit_name(run), 1)
+    with get_client(sync_client=True) as c:
+        assert c.read_global_concurrency_limit_by_name(inflight_limit_name(run)).limit == 3
