@@ -1,0 +1,54 @@
+"""Fleet: pin SGLang-protocol engines to one verified weight version and generate through the router.
+
+`client` (pin, health, revive, generate), `launcher` (start/stop engines + sglang-router),
+`sglang_args` (real SGLang commands for GPU fleets). No Prefect imports here.
+"""
+
+from pinned_eval.fleet.client import FleetClient, FleetConfig, Reviver
+from pinned_eval.fleet.errors import (
+    EngineHTTPError,
+    FleetError,
+    FleetUnhealthy,
+    GenerateRejected,
+    GenerationAborted,
+    NotPinned,
+    PinViolation,
+    RouterError,
+    WeightVersionMismatch,
+)
+from pinned_eval.fleet.launcher import LaunchedFleet, default_state_file, launch_cpu_fleet, launch_fleet
+from pinned_eval.fleet.models import (
+    EngineHealth,
+    EngineInfo,
+    GenerateResult,
+    HealthState,
+    PinResult,
+    SamplingParams,
+)
+from pinned_eval.fleet.process import LaunchError
+
+__all__ = [
+    "EngineHTTPError",
+    "EngineHealth",
+    "EngineInfo",
+    "FleetClient",
+    "FleetConfig",
+    "FleetError",
+    "FleetUnhealthy",
+    "GenerateRejected",
+    "GenerateResult",
+    "GenerationAborted",
+    "HealthState",
+    "LaunchError",
+    "LaunchedFleet",
+    "NotPinned",
+    "PinResult",
+    "PinViolation",
+    "Reviver",
+    "RouterError",
+    "SamplingParams",
+    "WeightVersionMismatch",
+    "default_state_file",
+    "launch_cpu_fleet",
+    "launch_fleet",
+]

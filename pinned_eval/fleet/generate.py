@@ -1,0 +1,102 @@
+"""Generation through sglang-router: one prompt per request, aborts retried, versions checked.
+
+Contract:
+- Bodies are built by `build_generate_body` only: exactly one of `text` (one string; the router
+  422s on a text batch) or `input_ids` (flat ids), `sampling_params` from `SamplingParams`
+  (SGLang names, `sampling_seed` for the seed), optional `rid`.
+- A response whose `finish_reason.type == "abort"` (e.g. a weight load aborted it) is sent again,
+  with a fresh rid, at most `abort_retries` times, then `GenerationAborted`; it is never returned.
+- A returned result always carries `meta_info.weight_version == expected` and no span of another
+  version, else `WeightVersionMismatch`.
+- At most `max_concurrency` requests are in flight per `RouterGenerator` (asyncio.Semaphore).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from pinned_eval.fleet.engine_api import bearer
+from pinned_eval.fleet.errors import FleetError, GenerateRejected, GenerationAborted, WeightVersionMismatch
+from pinned_eval.fleet.models import GenerateResult, SamplingParams, normalize_url
+
+
+def build_generate_body(
+    prompt: str | None = None,
+    *,
+    input_ids: list[int] | None = None,
+    sampling_params: SamplingParams | dict[str, Any] | None = None,
+    rid: str | None = None,
+) -> dict[str, Any]:
+    """The `/generate` JSON for one prompt (text or token ids), validated at the edge."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of `prompt` or `input_ids`")
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError("prompt: one string per request (the router rejects text batches)")
+    if input_ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+        raise TypeError("input_ids: a flat list of ints (one prompt per request)")
+    sp = (
+        sampling_params
+        if isinstance(sampling_params, SamplingParams)
+        else SamplingParams.model_validate(sampling_params or {})
+    )
+    body: dict[str, Any] = {"text": prompt} if prompt is not None else {"input_ids": list(input_ids or [])}
+    body["sampling_params"] = sp.to_wire()
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def check_version(result: GenerateResult, expected: str) -> None:
+    """Raise unless every token of `result` came from weights labelled `expected`."""
+    spans = [s.version for s in result.meta_info.weight_versions]
+    if result.weight_version != expected or any(v != expected for v in spans):
+        raise WeightVersionMismatch(expected, result.weight_version, spans)
+
+
+class RouterGenerator:
+    """Sends `/generate` bodies to one router under a concurrency limit."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        router_url: str,
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 32,
+        abort_retries: int = 3,
+    ) -> None:
+        self._http = http
+        self.url = normalize_url(router_url)
+        self._headers = bearer(api_key)
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self.abort_retries = abort_retries
+
+    async def generate(self, body: dict[str, Any], expected_version: str) -> GenerateResult:
+        body = dict(body)
+        rid = body.get("rid")
+        last_abort = ""
+        async with self._sem:
+            for attempt in range(1, self.abort_retries + 2):
+                if rid is not None and attempt > 1:
+                    body["rid"] = f"{rid}.retry{attempt - 1}"  # a fresh id: the aborted one may linger
+                try:
+                    resp = await self._http.post(f"{self.url}/generate", json=body, headers=self._headers)
+                except httpx.TransportError as exc:
+                    raise FleetError(f"router {self.url} unreachable: {exc!r}") from exc
+                if resp.status_code != 200:
+                    raise GenerateRejected(self.url, resp.status_code, resp.text)
+                payload = resp.json()
+                if not isinstance(payload, dict):
+                    raise GenerateRejected(self.url, 200, f"expected one result object: {resp.text[:300]}")
+                result = GenerateResult.model_validate({**payload, "attempts": attempt})
+                if result.finish_type == "abort":
+                    reason = result.meta_info.finish_reason
+                    last_abort = (reason.message or "") if reason else ""
+                    await asyncio.sleep(min(0.1 * attempt, 1.0))
+                    continue
+                check_version(result, expected_version)
+                return result
+        raise GenerationAborted(rid, self.abort_retries + 1, last_abort)

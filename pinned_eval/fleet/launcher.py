@@ -1,0 +1,308 @@
+"""Launch a fleet: N engines (CPU engines or real SGLang) + sglang-router, all on 127.0.0.1.
+
+Contract:
+- `launch_fleet` starts every engine in its own process group (logs under `log_dir`), waits until
+  each answers `/health` and `/model_info`, then starts the router with exactly those engines and
+  waits until it lists all of them healthy. Anything failing stops what was started and raises
+  `LaunchError`. The returned `LaunchedFleet` writes a JSON state file (PIDs, start times,
+  commands, ports) so another process (`pinned-eval fleet down`, a flow run) can revive or stop it.
+- `LaunchedFleet.revive(url)` kills that engine's process group and relaunches the same command
+  on the same port, returning when it is healthy. Its weights are then the boot checkpoint: the
+  fleet client must pin it again before it serves.
+- `stop()` kills router and engines by recorded PID/process group only, then removes the state file.
+- Ports are free ports picked at launch; the router's Prometheus port too (its default clashes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, Field
+
+from pinned_eval.fleet.models import normalize_url
+from pinned_eval.fleet.process import (
+    LaunchError,
+    ProcessRecord,
+    ProcessSpec,
+    free_port,
+    is_running,
+    start_process,
+    stop_process,
+    wait_http_ok,
+)
+from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
+from pinned_eval.settings import Settings
+
+STATE_FORMAT = 1
+
+
+def default_state_file() -> Path:
+    return Settings().home / "fleet" / "fleet.json"
+
+
+class FleetState(BaseModel):
+    """What a state file holds: enough to revive and stop the fleet from any process."""
+
+    format: int = STATE_FORMAT
+    engines: list[ProcessRecord]
+    router: ProcessRecord | None = None
+    log_dir: str
+    created_at: float = Field(default_factory=time.time)
+
+
+def cpu_engine_specs(
+    model_path: str | Path,
+    n_engines: int,
+    *,
+    weight_version: str | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    threads_per_engine: int | None = None,
+    python: str = sys.executable,
+) -> list[ProcessSpec]:
+    """Commands for `pinned-eval engine serve` (the bundled CPU engine), one free port each."""
+    threads = threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
+    specs = []
+    for _ in range(n_engines):
+        port = free_port()
+        cmd = [python, "-m", "pinned_eval.cli", "engine", "serve", "--model-path", str(model_path)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        if weight_version is not None:
+            cmd += ["--weight-version", weight_version]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        if admin_api_key:
+            cmd += ["--admin-api-key", admin_api_key]
+        env = {
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        specs.append(ProcessSpec(role="engine", command=cmd, env=env, port=port))
+    return specs
+
+
+def router_spec(
+    worker_urls: list[str],
+    *,
+    port: int | None = None,
+    policy: str = "round_robin",
+    api_key: str | None = None,
+    health_check_interval_s: int = 2,
+    python: str = sys.executable,
+) -> ProcessSpec:
+    """`python -m sglang_router.launch_router` on 127.0.0.1 fronting `worker_urls`."""
+    port = port or free_port()
+    cmd = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    cmd += [
+        "--health-check-interval-secs",
+        str(health_check_interval_s),
+        "--worker-startup-check-interval",
+        "1",
+    ]
+    cmd += ["--log-level", "warn"]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if worker_urls:
+        cmd += ["--worker-urls", *worker_urls]
+    return ProcessSpec(role="router", command=cmd, port=port)
+
+
+class LaunchedFleet:
+    """Handle on launched processes: URLs, revive, stop; persisted to `state_file` when given."""
+
+    def __init__(
+        self,
+        state: FleetState,
+        state_file: Path | None = None,
+        *,
+        ready_timeout_s: float = 300.0,
+        api_key: str | None = None,
+    ) -> None:
+        self.state = state
+        self.state_file = state_file
+        self.ready_timeout_s = ready_timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    @classmethod
+    def load(
+        cls, state_file: Path, *, ready_timeout_s: float = 300.0, api_key: str | None = None
+    ) -> LaunchedFleet:
+        """Re-open a fleet launched by another process from its state file."""
+        state = FleetState.model_validate_json(state_file.read_text())
+        if state.format != STATE_FORMAT:
+            raise LaunchError(
+                f"{state_file}: state format {state.format}, this pinned-eval reads {STATE_FORMAT}"
+            )
+        return cls(state, state_file, ready_timeout_s=ready_timeout_s, api_key=api_key)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [r.url for r in self.state.engines]
+
+    @property
+    def router_url(self) -> str | None:
+        return self.state.router.url if self.state.router else None
+
+    def manages(self, url: str) -> bool:
+        return normalize_url(url) in self.engine_urls
+
+    def running(self) -> dict[str, bool]:
+        """Liveness of every recorded process by PID (not by HTTP)."""
+        records = [*self.state.engines, *([self.state.router] if self.state.router else [])]
+        return {f"{r.spec.role} {r.url}": is_running(r) for r in records}
+
+    def pid_of(self, url: str) -> int:
+        return self._index(url)[1].pid
+
+    def _index(self, url: str) -> tuple[int, ProcessRecord]:
+        url = normalize_url(url)
+        for i, rec in enumerate(self.state.engines):
+            if rec.url == url:
+                return i, rec
+        raise KeyError(f"{url} is not an engine of this fleet ({self.engine_urls})")
+
+    def revive(self, url: str) -> None:
+        """Kill the engine's process group, relaunch the same command on the same port, wait healthy."""
+        i, old = self._index(url)
+        stop_process(old)
+        new, popen = start_process(old.spec, Path(old.log_path))
+        self.state.engines[i] = new
+        self.save()
+        wait_http_ok(new, timeout_s=self.ready_timeout_s, headers=self._headers, popen=popen)
+
+    def stop(self) -> None:
+        """Stop the router, then every engine (by recorded PID/process group); remove the state file."""
+        for rec in [*([self.state.router] if self.state.router else []), *self.state.engines]:
+            stop_process(rec)
+        if self.state_file is not None:
+            self.state_file.unlink(missing_ok=True)
+
+    def save(self) -> None:
+        if self.state_file is None:
+            return
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # commands may hold API keys
+        with os.fdopen(fd, "w") as f:
+            f.write(self.state.model_dump_json(indent=2))
+        os.replace(tmp, self.state_file)
+
+    def __enter__(self) -> LaunchedFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait_router_members(
+    router: ProcessRecord, urls: list[str], timeout_s: float, headers: dict[str, str]
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    wanted = {normalize_url(u) for u in urls}
+    last = "no answer"
+    with httpx.Client(timeout=10.0) as http:
+        while True:
+            if not is_running(router):
+                raise LaunchError(f"router exited; log {router.log_path}")
+            try:
+                resp = http.get(f"{router.url}/workers", headers=headers)
+                if resp.status_code == 200:
+                    healthy = {normalize_url(w["url"]) for w in resp.json()["workers"] if w.get("is_healthy")}
+                    if wanted <= healthy:
+                        return
+                    last = f"healthy {sorted(healthy)}"
+                else:
+                    last = f"HTTP {resp.status_code}"
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"router {router.url} never listed {sorted(wanted)} healthy: {last}")
+            time.sleep(0.2)
+
+
+def launch_fleet(
+    engine_specs: list[ProcessSpec],
+    *,
+    log_dir: Path,
+    state_file: Path | None = None,
+    router_port: int | None = None,
+    policy: str = "round_robin",
+    api_key: str | None = None,
+    with_router: bool = True,
+    ready_timeout_s: float = 300.0,
+) -> LaunchedFleet:
+    """Start the engines, wait healthy, start the router over them, wait until it lists them all."""
+    if not engine_specs:
+        raise ValueError("engine_specs: a fleet needs at least one engine")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    started = [start_process(s, log_dir / f"engine-{s.port}.log") for s in engine_specs]
+    fleet = LaunchedFleet(
+        FleetState(engines=[rec for rec, _ in started], log_dir=str(log_dir)),
+        state_file,
+        ready_timeout_s=ready_timeout_s,
+        api_key=api_key,
+    )
+    fleet.save()
+    try:
+        for rec, popen in started:
+            wait_http_ok(rec, timeout_s=ready_timeout_s, headers=headers, popen=popen)
+            wait_http_ok(rec, timeout_s=ready_timeout_s, path="/model_info", headers=headers, popen=popen)
+        if with_router:
+            spec = router_spec(fleet.engine_urls, port=router_port, policy=policy, api_key=api_key)
+            router, popen = start_process(spec, log_dir / f"router-{spec.port}.log")
+            fleet.state.router = router
+            fleet.save()
+            wait_http_ok(router, timeout_s=ready_timeout_s, popen=popen)
+            _wait_router_members(router, fleet.engine_urls, ready_timeout_s, headers)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def launch_cpu_fleet(
+    model_path: str | Path,
+    n_engines: int,
+    *,
+    log_dir: Path | None = None,
+    state_file: Path | None = None,
+    weight_version: str | None = None,
+    router_port: int | None = None,
+    policy: str = "round_robin",
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    ready_timeout_s: float = 300.0,
+) -> LaunchedFleet:
+    """N bundled CPU engines serving `model_path` behind sglang-router."""
+    specs = cpu_engine_specs(
+        model_path, n_engines, weight_version=weight_version, api_key=api_key, admin_api_key=admin_api_key
+    )
+    log_dir = log_dir or (state_file.parent if state_file else Settings().home / "fleet") / "logs"
+    return launch_fleet(
+        specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,
+        api_key=api_key, ready_timeout_s=ready_timeout_s,
+    )  # fmt: skip
+
+
+def launch_sglang_fleet(
+    spec: SGLangFleetSpec,
+    *,
+    log_dir: Path,
+    state_file: Path | None = None,
+    router_port: int | None = None,
+    policy: str = "round_robin",
+    api_key: str | None = None,
+    ready_timeout_s: float = 1800.0,
+) -> LaunchedFleet:
+    """Real SGLang engines on this host's GPUs (see `sglang_args`) behind sglang-router."""
+    specs = sglang_engine_specs(spec, [free_port() for _ in range(spec.num_engines)])
+    return launch_fleet(
+        specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,
+        api_key=api_key, ready_timeout_s=ready_timeout_s,
+    )  # fmt: skip

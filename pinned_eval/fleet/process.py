@@ -1,0 +1,182 @@
+"""Start and stop fleet processes: each in its own process group, logs to a file, killed by PID.
+
+Invariants:
+- Every process starts with `start_new_session=True`, so its PID is its process-group id and
+  killing the group takes its children with it.
+- A record keeps the PID and the process's start time; `stop_process` only signals a PID whose
+  start time still matches (a reused PID is someone else's), or a group whose leader is gone
+  (Linux never reuses a PID while a group of that id exists, so such a group is still ours).
+- Ports are picked by binding port 0 on 127.0.0.1; nothing binds another interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import psutil
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LaunchError(RuntimeError):
+    """A fleet process did not start, exited early, or never became healthy."""
+
+
+class ProcessSpec(BaseModel):
+    """How to start one fleet process."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Literal["engine", "router"]
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Added on top of the launcher's environment."
+    )
+    port: int = Field(gt=0, lt=65536)
+    host: str = "127.0.0.1"
+    health_path: str = "/health"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class ProcessRecord(BaseModel):
+    """A started process: its spec, PID, start time and log file."""
+
+    spec: ProcessSpec
+    pid: int
+    create_time: float
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_process(spec: ProcessSpec, log_path: Path) -> tuple[ProcessRecord, subprocess.Popen[bytes]]:
+    """Start `spec` detached in a new session, stdout+stderr appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"\n=== start {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(spec.command)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            spec.command,
+            env={**os.environ, **spec.env},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        created = psutil.Process(proc.pid).create_time()
+    except psutil.NoSuchProcess:
+        created = 0.0
+    return ProcessRecord(spec=spec, pid=proc.pid, create_time=created, log_path=str(log_path)), proc
+
+
+def is_running(record: ProcessRecord) -> bool:
+    """True while the recorded process (same PID and start time) is alive and not a zombie."""
+    try:
+        proc = psutil.Process(record.pid)
+        return abs(proc.create_time() - record.create_time) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _wait_group_gone(pgid: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pgid, os.WNOHANG)  # reap the leader if it is our child (else it lingers as a zombie)
+        if not _group_alive(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def stop_process(record: ProcessRecord, *, grace_s: float = 10.0) -> None:
+    """SIGTERM the record's process group, SIGKILL it after `grace_s`; no-op when already gone."""
+    pgid = record.pid
+    try:
+        if abs(psutil.Process(pgid).create_time() - record.create_time) >= 0.05:
+            return  # the PID was reused, so our group was gone before it could be
+    except psutil.NoSuchProcess:
+        pass  # leader gone; a surviving group with this id can only be ours
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        if _wait_group_gone(pgid, wait_s):
+            return
+    raise LaunchError(f"process group {pgid} ({record.spec.role}) survived SIGKILL")
+
+
+def log_tail(path: str | Path, n_bytes: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n_bytes))
+            return f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"<no log: {exc}>"
+
+
+def wait_http_ok(
+    record: ProcessRecord,
+    *,
+    timeout_s: float,
+    path: str | None = None,
+    headers: dict[str, str] | None = None,
+    popen: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Poll `GET url+path` until 200; `LaunchError` (with the log tail) on exit or timeout."""
+    url = f"{record.url}{path or record.spec.health_path}"
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    with httpx.Client(timeout=10.0) as http:
+        while True:
+            exited = popen.poll() is not None if popen is not None else not is_running(record)
+            if exited:
+                raise LaunchError(
+                    f"{record.spec.role} on port {record.spec.port} exited before it was healthy; "
+                    f"log {record.log_path}:\n{log_tail(record.log_path)}"
+                )
+            try:
+                resp = http.get(url, headers=headers)
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"{url} not healthy after {timeout_s}s ({last}); log {record.log_path}:\n"
+                    f"{log_tail(record.log_path)}"
+                )
+            time.sleep(0.2)
