@@ -104,6 +104,8 @@ def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
     meta = hdr.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
         raise bad("__metadata__ is not an object")
+    if meta.get("format", "pt") != "pt":  # transformers loads only PyTorch-format safetensors
+        raise bad(f"__metadata__ format {meta.get('format')!r} is not 'pt'")
     spans: list[tuple[int, int, str]] = []
     for name, entry in hdr.items():
         if not isinstance(entry, dict):
