@@ -1,0 +1,8 @@
+"""`python -m engine --model-path DIR --port P ...`: the same as `pinned-eval engine serve`."""
+
+import typer
+
+from pinned_eval.commands.engine import serve
+
+if __name__ == "__main__":
+    typer.run(serve)

@@ -1,0 +1,314 @@
+"""FastAPI app of the CPU engine: SGLang's native HTTP API (0.5.23 semantics) over `Runner`.
+
+Endpoints: /health, /health_generate, /ready (always open); /generate, /model_info,
+/get_model_info, /server_info, /get_server_info, /v1/models, /get_load (api key); and the
+admin-optional control plane /update_weights_from_disk, /update_weight_version,
+/pause_generation, /continue_generation, /abort_request, /flush_cache (admin key if set, else
+api key if set). Auth is `Authorization: Bearer <key>`; failures are 401 `{"error": ...}`.
+Malformed /generate bodies are 400 `{"error": "<field>: <why>"}`; while the weights are unknown
+after a failed load /generate answers 503. Aborted requests are HTTP 200 with
+`finish_reason.type == "abort"`. One log line per /generate call and per control call (stderr).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import __version__, decoding
+from engine.batch import SeqResult, Sequence
+from engine.control import add_control_routes
+from engine.launch import EngineArgs
+from engine.protocol import GenerateRequest, ProtocolError, SamplingParams
+from engine.runner import Runner
+from engine.state import EngineState, Refused, engine_state, normal_auth, parse_body
+
+log = logging.getLogger("pinned_eval.engine")
+
+
+def create_app(args: EngineArgs) -> FastAPI:
+    """The engine app; the model loads in the lifespan (the port serves only once it is loaded)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from transformers import AutoTokenizer
+
+        runner = await asyncio.to_thread(
+            Runner,
+            args.model_path,
+            args.weight_version,
+            args.threads,
+            args.max_batch_size,
+            args.context_length,
+        )
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, args.model_path)
+        runner.start()
+        app.state.engine = EngineState(args, runner, tokenizer)
+        log.info(
+            "engine ready model_path=%s weight_version=%s port=%s",
+            args.model_path,
+            args.weight_version,
+            args.port,
+        )
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(runner.stop)
+
+    app = FastAPI(title="pinned-eval CPU engine", version=__version__, lifespan=lifespan)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    _health_routes(app)
+    _info_routes(app)
+    _generate_route(app)
+    add_control_routes(app)
+    return app
+
+
+# ---- health -------------------------------------------------------------------------------------
+def _health_routes(app: FastAPI) -> None:
+    async def probe(request: Request) -> Response:
+        st = engine_state(request)
+        if st.serving_state() is not None:
+            return Response(status_code=503)
+        runner = st.runner
+        seq = Sequence(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            prompt_ids=[runner.bos_id],
+            params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            seed=0,
+            internal=True,
+        )
+        runner.submit([seq])
+        try:
+            result: SeqResult = await asyncio.wait_for(
+                asyncio.wrap_future(seq.future), st.args.health_timeout_s
+            )
+        except TimeoutError:
+            runner.abort(seq.rid, message="health check timed out")
+            return Response(status_code=503)
+        return Response(status_code=503 if result.finish_reason["type"] == "abort" else 200)
+
+    app.get("/health")(probe)
+    app.get("/health_generate")(probe)
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        return Response(status_code=503 if engine_state(request).serving_state() else 200)
+
+
+# ---- info ---------------------------------------------------------------------------------------
+def _info_routes(app: FastAPI) -> None:
+    def model_info(request: Request) -> dict:
+        st = engine_state(request)
+        runner = st.runner
+        return {
+            "model_path": runner.model_path,
+            "tokenizer_path": st.args.model_path,
+            "served_model_name": st.served_model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": runner.weight_version,
+            "load_format": runner.load_format,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": runner.model_type,
+            "architectures": runner.architectures,
+        }
+
+    app.get("/model_info", dependencies=[Depends(normal_auth)])(model_info)
+
+    @app.get("/get_model_info", dependencies=[Depends(normal_auth)])
+    def get_model_info(request: Request) -> dict:
+        log.warning("/get_model_info is deprecated; use /model_info")
+        return model_info(request)
+
+    def server_info(request: Request) -> dict:
+        st = engine_state(request)
+        runner = st.runner
+        startup = st.args.model_dump(exclude={"api_key", "admin_api_key"})
+        stats = {k: v for k, v in vars(runner.stats).items()}
+        return {
+            **startup,
+            "tokenizer_path": st.args.model_path,
+            "served_model_name": st.served_model_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "device": "cpu",
+            "dtype": "float32",
+            "load_format": "auto",
+            "max_running_requests": st.args.max_batch_size,
+            "context_length": runner.context_len,
+            "startup_time": st.startup_time,
+            "internal_states": [
+                {**stats, **runner.load(), "paused": st.paused, "weights_ok": runner.weights_ok}
+            ],
+            "version": __version__,
+            "engine": "pinned-eval-cpu",
+            "frontend": "python",
+        }
+
+    app.get("/server_info", dependencies=[Depends(normal_auth)])(server_info)
+    app.get("/get_server_info", dependencies=[Depends(normal_auth)])(server_info)
+
+    @app.get("/v1/models", dependencies=[Depends(normal_auth)])
+    def models(request: Request) -> dict:
+        st = engine_state(request)
+        card = {
+            "id": st.served_model_name,
+            "object": "model",
+            "created": int(st.startup_time),
+            "owned_by": "sglang",
+            "root": st.runner.model_path,
+            "max_model_len": st.runner.context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/get_load", dependencies=[Depends(normal_auth)])
+    def get_load(request: Request) -> list[dict]:
+        runner = engine_state(request).runner
+        return [{"dp_rank": 0, **runner.load(), "max_batch_size_seen": runner.stats.max_batch_size_seen}]
+
+
+# ---- generate -----------------------------------------------------------------------------------
+def _build(st: EngineState, req: GenerateRequest) -> tuple[list[Sequence], bool]:
+    """Sequences for every prompt and copy (request order, copies next to their prompt)."""
+    runner = st.runner
+    seqs: list[Sequence] = []
+    items = req.items()
+    for item in items:
+        where = f"input_ids.{item.index}" if req.is_batch else "input_ids"
+        if item.text is not None:
+            ids = list(st.tokenizer.encode(item.text))
+            where = f"text.{item.index}" if req.is_batch else "text"
+        else:
+            ids = item.input_ids or []
+            bad = [t for t in ids if not 0 <= t < runner.vocab_size]
+            if bad:
+                raise ProtocolError(
+                    f"{where}: token id {bad[0]} outside the vocabulary [0, {runner.vocab_size})"
+                )
+        if len(ids) >= runner.context_len:
+            raise ProtocolError(
+                f"{where}: the input ({len(ids)} tokens) is longer than the model's context "
+                f"length ({runner.context_len} tokens)"
+            )
+        if len(ids) + item.params.max_new_tokens > runner.context_len:
+            raise ProtocolError(
+                f"sampling_params.max_new_tokens: requested {len(ids)} + {item.params.max_new_tokens} "
+                f"tokens, "
+                f"more than the context length ({runner.context_len})"
+            )
+        rid = item.rid or uuid.uuid4().hex
+        for j in range(item.params.n):
+            seqs.append(
+                Sequence(
+                    rid=rid if item.params.n == 1 else f"{rid}_{j}",
+                    prompt_ids=ids,
+                    params=item.params,
+                    seed=decoding.copy_seed(item.params.sampling_seed, j),
+                )
+            )
+    single = not req.is_batch and items[0].params.n == 1
+    return seqs, single
+
+
+def _output(r: SeqResult) -> dict:
+    meta: dict[str, Any] = {
+        "id": r.rid,
+        "finish_reason": r.finish_reason,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cached_tokens": 0,
+        "reasoning_tokens": 0,
+        "weight_version": r.weight_version,
+        "num_retractions": r.num_retractions,
+        "e2e_latency": round(r.e2e_latency, 6),
+    }
+    if r.weight_versions is not None:
+        meta["weight_versions"] = r.weight_versions
+    return {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
+
+
+async def _await_results(request: Request, runner: Runner, seqs: list[Sequence]) -> list[SeqResult]:
+    """Wait for every sequence; abort them if the client disconnects or the handler is cancelled."""
+    gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(s.future) for s in seqs)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({gathered}, timeout=0.5)
+            if done:
+                return gathered.result()
+            if await request.is_disconnected():
+                runner.abort_seqs(seqs, "Client disconnected.")
+    finally:
+        if not gathered.done():
+            runner.abort_seqs(seqs, "Request cancelled.")
+
+
+def _generate_route(app: FastAPI) -> None:
+    @app.api_route("/generate", methods=["POST", "PUT"], dependencies=[Depends(normal_auth)])
+    async def generate(request: Request) -> JSONResponse:
+        st = engine_state(request)
+        started = time.monotonic()
+        req = await parse_body(request, GenerateRequest)
+        try:
+            seqs, single = _build(st, req)
+        except ProtocolError as err:
+            raise Refused(400, {"error": str(err)}) from None
+        await st.wait_unpaused()
+        async with st.lock.read():
+            if not st.runner.weights_ok:
+                raise Refused(
+                    503, {"error": "weights unknown after a failed weight update; load a good snapshot"}
+                )
+            st.runner.submit(seqs)
+            results = await _await_results(request, st.runner, seqs)
+        finishes = sorted({r.finish_reason["type"] for r in results})
+        log.info(
+            "generate rid=%s seqs=%d prompt_tokens=%d completion_tokens=%d finish=%s version=%s %.3fs",
+            results[0].rid,
+            len(results),
+            sum(r.prompt_tokens for r in results),
+            sum(r.completion_tokens for r in results),
+            ",".join(finishes),
+            results[0].weight_version,
+            time.monotonic() - started,
+        )
+        outputs = [_output(r) for r in results]
+        return JSONResponse(outputs[0] if single else outputs)
+
+
+def serve(args: EngineArgs) -> None:
+    """Run the engine in the foreground until SIGINT/SIGTERM."""
+    import uvicorn
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s engine:{args.port} %(levelname)s %(message)s"
+    )
+    for noisy in ("httpx", "transformers", "uvicorn.error"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    config = uvicorn.Config(
+        create_app(args),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run()

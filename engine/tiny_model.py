@@ -1,0 +1,201 @@
+"""Tiny offline HF causal LMs for tests and demos, and perturbed copies of snapshots.
+
+Contract:
+- `make_tiny_model(out, arch, seed, ...)` writes a complete HF snapshot into `out`: `config.json`
+  (with both `dtype` and `torch_dtype`), `generation_config.json`, safetensors weights (single file,
+  or shards + `model.safetensors.index.json` when `max_shard_size` is given), and a byte-level BPE
+  tokenizer trained offline on a fixed corpus (digits, arithmetic, short English words) with
+  specials `<pad>`=0, `<s>`=1, `</s>`=2 and a chat template. Nothing is downloaded.
+- The same (arch, seed, sizes) always gives the same tokenizer and the same weights.
+- `tokenizer_config.json` names `PreTrainedTokenizerFast` (no `backend` key) so transformers 4.x
+  readers load it too. Every file is mode 0644 (safetensors writes 0600).
+- `perturb_snapshot(src, dst, seed)` writes a snapshot with the same file layout, tensor names,
+  shapes and dtypes as `src` but different values (a "later training step"); non-weight files
+  are copied as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Literal
+
+Arch = Literal["llama", "qwen2", "qwen3"]
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_WORDS = (  # noqa: SIM905 - one readable string
+    "the a an and or not is are was be to of in on at for with as by it this that yes no true false "
+    "one two three four five six seven eight nine ten zero plus minus times equals sum answer "
+    "question number add subtract what how many cat dog red blue green big small hello world good "
+    "bad up down left right day night sun moon tree water fire stone bird fish"
+).split()
+
+
+def _corpus() -> list[str]:
+    """A fixed, order-stable training corpus for the BPE tokenizer."""
+    lines: list[str] = [str(i) for i in range(200)]
+    for a in range(0, 30, 3):
+        for b in range(0, 30, 4):
+            lines.append(f"{a}+{b}={a + b}")
+            lines.append(f"{a}*{b}={a * b}")
+            lines.append(f"{a + b}-{b}={a}")
+    lines += [f"{w} {_WORDS[(i * 7) % len(_WORDS)]}" for i, w in enumerate(_WORDS)]
+    lines += [f"What is {a} plus {b}? The answer is {a + b}." for a in range(10) for b in range(0, 10, 3)]
+    lines.append(" ".join(_WORDS))
+    return lines
+
+
+def _train_tokenizer(vocab_size: int, model_max_length: int):  # -> PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        padding_side="left",
+        model_max_length=model_max_length,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _config(
+    arch: Arch,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_position_embeddings: int,
+):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    head_dim = hidden_size // num_heads
+    if arch == "llama":
+        return LlamaConfig(**common, head_dim=head_dim, tie_word_embeddings=False)
+    if arch == "qwen2":  # Qwen2 has q/k/v biases built in; small Qwen2 checkpoints tie embeddings
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":  # Qwen3 has per-head q/k RMSNorm built in
+        return Qwen3Config(**common, head_dim=head_dim, tie_word_embeddings=False)
+    raise ValueError(f"arch: unknown architecture {arch!r}; expected llama, qwen2 or qwen3")
+
+
+def _patch_json(path: Path, update: dict, drop: tuple[str, ...] = ()) -> None:
+    data = json.loads(path.read_text())
+    data.update(update)
+    for key in drop:
+        data.pop(key, None)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def make_tiny_model(
+    out: Path,
+    arch: Arch = "llama",
+    seed: int = 0,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 1024,
+    max_shard_size: str | int | None = None,
+) -> Path:
+    """Write a tiny HF causal LM snapshot + tokenizer into `out` (created if missing); return `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(min(vocab_size, 300), max_position_embeddings)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    config = _config(
+        arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, max_position_embeddings
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(out, **save_kwargs)
+    tokenizer.save_pretrained(out)
+    _patch_json(out / "config.json", {"dtype": "float32", "torch_dtype": "float32"})
+    _patch_json(
+        out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"}, drop=("backend",)
+    )
+    for path in out.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+    return out
+
+
+def perturb_snapshot(src: Path, dst: Path, seed: int, scale: float = 0.5) -> Path:
+    """Copy snapshot `src` to `dst` with every weight tensor changed by seeded noise; return `dst`.
+
+    Each tensor t becomes t + scale * std(t) * noise (noise ~ N(0, 1) from `seed`); constant tensors
+    (norm weights, all ones) get scale * noise. Names, shapes, dtypes and shard layout are kept.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.weights import weight_files
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    shards = set(weight_files(src))
+    if not shards:
+        raise FileNotFoundError(f"src: no safetensors files in {src}")
+    for path in src.iterdir():
+        if path.is_file() and path not in shards:
+            shutil.copyfile(path, dst / path.name)
+    gen = torch.Generator().manual_seed(seed)
+    for shard in sorted(shards):
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(shard, framework="pt") as f:
+            metadata = f.metadata() or {"format": "pt"}
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                t = f.get_tensor(name)
+                noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+                std = float(t.float().std()) if t.numel() > 1 else 0.0
+                tensors[name] = (
+                    (t.float() + scale * (std if std > 0 else 1.0) * noise).to(t.dtype).contiguous()
+                )
+        save_file(tensors, dst / shard.name, metadata=metadata)
+    for path in dst.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+    return dst

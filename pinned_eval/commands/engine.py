@@ -1,0 +1,75 @@
+"""`pinned-eval engine serve` and `pinned-eval tiny-model` (owned by the engine work).
+
+Both verbs import torch/transformers lazily so `pinned-eval --help` stays fast. Exit codes:
+0 success, 1 the engine failed, 2 bad usage (typer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+app = typer.Typer(help="The bundled CPU engine that speaks SGLang's native HTTP API.", no_args_is_help=True)
+
+
+@app.command("serve")
+def serve(
+    model_path: Annotated[str, typer.Option(help="HF snapshot directory to serve.")],
+    port: Annotated[int, typer.Option(help="TCP port to listen on.")],
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    weight_version: Annotated[str, typer.Option(help="Initial weight version label.")] = "default",
+    served_model_name: Annotated[str | None, typer.Option(help="Model id (default: the model path).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer key for normal endpoints.")] = None,
+    admin_api_key: Annotated[str | None, typer.Option(help="Bearer key for control endpoints.")] = None,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 1,
+    max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 64,
+    context_length: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
+    health_timeout: Annotated[float, typer.Option(help="Seconds /health waits for its probe token.")] = 20.0,
+) -> None:
+    """Serve a model with SGLang's native HTTP API on CPU (foreground, until SIGINT/SIGTERM)."""
+    from pydantic import ValidationError
+
+    from engine.launch import EngineArgs
+
+    try:
+        args = EngineArgs(
+            model_path=model_path,
+            port=port,
+            host=host,
+            weight_version=weight_version,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+            threads=threads,
+            max_batch_size=max_batch_size,
+            context_length=context_length,
+            health_timeout_s=health_timeout,
+        )
+    except ValidationError as err:
+        typer.echo(f"engine serve: {err}", err=True)
+        raise typer.Exit(code=2) from None
+    if not Path(model_path).is_dir():
+        typer.echo(f"engine serve: --model-path {model_path} is not a directory", err=True)
+        raise typer.Exit(code=2)
+    from engine.server import serve as run_server
+
+    run_server(args)
+
+
+def tiny_model(
+    out: Annotated[Path, typer.Option(help="Directory to write the snapshot into.")],
+    arch: Annotated[str, typer.Option(help="llama, qwen2 or qwen3.")] = "llama",
+    seed: Annotated[int, typer.Option(help="Weight init seed.")] = 0,
+    max_shard_size: Annotated[str | None, typer.Option(help="Shard the weights, e.g. 100KB.")] = None,
+) -> None:
+    """Write a tiny HF causal LM + tokenizer, fully offline."""
+    from engine.tiny_model import make_tiny_model
+
+    if arch not in ("llama", "qwen2", "qwen3"):
+        typer.echo(f"tiny-model: --arch must be llama, qwen2 or qwen3, got {arch!r}", err=True)
+        raise typer.Exit(code=2)
+    chosen: Literal["llama", "qwen2", "qwen3"] = arch  # type: ignore[assignment]
+    path = make_tiny_model(out, arch=chosen, seed=seed, max_shard_size=max_shard_size)
+    typer.echo(str(path))
