@@ -129,11 +129,19 @@ class _Protocol:
         diff = next((i for i, (a, b) in enumerate(zip(header, own, strict=False)) if a != b), None)
         if diff is None and len(header) != len(own):
             diff = min(len(header), len(own))
-        if not self.agree(diff is None):
-            self.open = False
-            where = f"at tensor #{diff}: rank 0 has {header[diff] if diff < len(header) else 'nothing'}, " \
-                    f"this rank has {own[diff] if diff < len(own) else 'nothing'}" if diff is not None else ""
-            raise CollectiveExportError(f"ranks disagree on the tensors to export {where}".strip())
+        if self.agree(diff is None):
+            return
+        self.open = False
+        mine_report = None
+        if diff is not None:
+            theirs = header[diff] if diff < len(header) else "nothing"
+            ours = own[diff] if diff < len(own) else "nothing"
+            mine_report = f"rank {dist.get_rank()} differs at tensor #{diff}: rank 0 has {theirs}, " \
+                          f"it has {ours}"
+        reports: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(reports, mine_report, group=self.group)
+        raise CollectiveExportError("ranks disagree on the tensors to export: "
+                                    + "; ".join(r for r in reports if r))
 
     def gather(self, x: _Local, merge: Merge) -> torch.Tensor:
         if not (x.tp and self.needs_gather):
@@ -217,10 +225,11 @@ def collective_export(
     try:
         p.check_header(mine)
         if p.rank == 0:
-            specs = plan
+            specs: list[TensorSpec] | None
             if callable(plan):
-                full = [(x.name, _full_shape(x, p.tp_size), x.tensor.dtype) for x in mine]
-                specs = plan(full)
+                specs = plan([(x.name, _full_shape(x, p.tp_size), x.tensor.dtype) for x in mine])
+            else:
+                specs = plan
             kwargs: dict[str, Any] = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
             result = write_snapshot(_rank0_stream(p, mine, conv, merge, bucket_bytes), dest, plan=specs,
                                     base_hf_dir=base_hf_dir, storage_options=storage_options,

@@ -172,7 +172,7 @@ def split_qkv(fused: torch.Tensor, layout: DenseLayout) -> tuple[torch.Tensor, t
         )
     tail = fused.shape[1:]
     q, k, v = fused.reshape(g, r + 2, d, *tail).split([r, 1, 1], dim=1)
-    return tuple(x.reshape(-1, *tail).contiguous() for x in (q, k, v))  # type: ignore[return-value]
+    return q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(), v.reshape(-1, *tail).contiguous()
 
 
 class MegatronToHf:

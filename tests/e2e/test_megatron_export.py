@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 pytest.importorskip("psutil", reason="psutil is required by megatron dist_checkpointing save")
 
-from tests.conftest import free_port  # noqa: E402
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -70,7 +70,8 @@ def mcore_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mcore")
     for fam in FAMILIES:
         mh.write_hf_base(mh.SPECS[fam], root / f"base-{fam}")
-    ctx = mp.start_processes(_job, args=(2, free_port(), str(root)), nprocs=2, join=False, start_method="spawn")
+    args = (2, free_port(), str(root))
+    ctx = mp.start_processes(_job, args=args, nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + JOB_DEADLINE_S
     try:
         while not ctx.join(timeout=1):
@@ -144,6 +145,6 @@ def test_offline_export_rejects_wrong_family_before_writing(mcore_run: Path, tmp
     from pinned_eval.snapshot.megatron import export_megatron_checkpoint
 
     with pytest.raises(ValueError, match="q_norm"):  # a Qwen3 HF config expects q/k norms
-        export_megatron_checkpoint(mcore_run / "ckpt-llama", str(mcore_run / "base-llama"), str(tmp_path / "hf"),
-                                   family="qwen3")
+        export_megatron_checkpoint(mcore_run / "ckpt-llama", str(mcore_run / "base-llama"),
+                                   str(tmp_path / "hf"), family="qwen3")
     assert not (tmp_path / "hf").exists()
