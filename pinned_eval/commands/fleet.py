@@ -42,12 +42,8 @@ def _json_arg(value: str | None, name: str) -> dict[str, Any]:
 def up(
     model_path: Annotated[Path, typer.Option("--model-path", help="HF snapshot the engines boot from.")],
     engines: Annotated[int, typer.Option("--engines", min=1, help="Number of engines.")] = 2,
-    router_port: Annotated[
-        int | None, typer.Option("--router-port", help="Router port (default: free).")
-    ] = None,
-    weight_version: Annotated[
-        str | None, typer.Option("--weight-version", help="Boot weight version.")
-    ] = None,
+    router_port: Annotated[int | None, typer.Option("--router-port", help="Router port (default: free).")] = None,
+    weight_version: Annotated[str | None, typer.Option("--weight-version", help="Boot weight version.")] = None,
     state_file: StateFileOpt = None,
     policy: Annotated[str, typer.Option("--policy", help="round_robin or cache_aware.")] = "round_robin",
     backend: Annotated[str, typer.Option("--backend", help="cpu (bundled engine) or sglang (GPUs).")] = "cpu",
@@ -56,9 +52,7 @@ def up(
     sglang_overrides: Annotated[
         str | None, typer.Option("--sglang-overrides", help="sglang: per-fleet overrides JSON.")
     ] = None,
-    ready_timeout_s: Annotated[
-        float, typer.Option("--ready-timeout", help="Seconds to become ready.")
-    ] = 300.0,
+    ready_timeout_s: Annotated[float, typer.Option("--ready-timeout", help="Seconds to become ready.")] = 300.0,
 ) -> None:
     """Start N engines and the router; print their URLs; return when ready (processes keep running)."""
     from pinned_eval.fleet.launcher import LaunchedFleet, launch_cpu_fleet, launch_sglang_fleet

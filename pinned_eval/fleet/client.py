@@ -68,12 +68,8 @@ class FleetConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     load_timeout_s: float = Field(default=600.0, gt=0, description="One weight load on one engine.")
-    health_timeout_s: float = Field(
-        default=30.0, gt=0, description="One /health probe (SGLang's own waits 20 s)."
-    )
-    dead_after_s: float = Field(
-        default=60.0, ge=0, description="A 503 with no load in flight this long = dead."
-    )
+    health_timeout_s: float = Field(default=30.0, gt=0, description="One /health probe (SGLang's own waits 20 s).")
+    dead_after_s: float = Field(default=60.0, ge=0, description="A 503 with no load in flight this long = dead.")
     alive_timeout_s: float = Field(default=600.0, gt=0, description="Wait for busy engines before a pin.")
     poll_interval_s: float = Field(default=1.0, gt=0)
     pin_attempts: int = Field(default=2, ge=1)
@@ -120,9 +116,7 @@ class FleetClient:
             max_connections=self.config.max_concurrency + 4,
             max_keepalive_connections=self.config.max_concurrency,
         )
-        self._data = httpx.AsyncClient(
-            transport=transport, timeout=self.config.request_timeout_s, limits=limits
-        )
+        self._data = httpx.AsyncClient(transport=transport, timeout=self.config.request_timeout_s, limits=limits)
         self.engines = EngineAPI(
             self._control,
             api_key=self.config.api_key,
@@ -131,9 +125,7 @@ class FleetClient:
             health_timeout_s=self.config.health_timeout_s,
         )
         self.router = (
-            RouterAPI(self._control, router_url, api_key=self.config.api_key)
-            if router_url is not None
-            else None
+            RouterAPI(self._control, router_url, api_key=self.config.api_key) if router_url is not None else None
         )
         self._generator = (
             RouterGenerator(
@@ -201,9 +193,7 @@ class FleetClient:
         rec.unhealthy_since = rec.unhealthy_since or now
         persisted = now - rec.unhealthy_since
         if persisted >= self.config.dead_after_s:
-            return self._view(
-                rec, HealthState.DEAD, f"503 for {persisted:.0f}s with no load in flight", status
-            )
+            return self._view(rec, HealthState.DEAD, f"503 for {persisted:.0f}s with no load in flight", status)
         try:
             await self.engines.model_info(rec.url)
         except httpx.ConnectError as exc:
@@ -235,9 +225,7 @@ class FleetClient:
             dead = [v for v in views if v.state is HealthState.DEAD]
             for view in dead:
                 if view.url in revived:
-                    raise FleetUnhealthy(
-                        f"{view.url} is dead again after a revival: {view.detail}", [view.url]
-                    )
+                    raise FleetUnhealthy(f"{view.url} is dead again after a revival: {view.detail}", [view.url])
                 await self.revive(view.url, reason=view.detail)
                 revived.append(view.url)
             if dead:
@@ -256,15 +244,11 @@ class FleetClient:
         """Relaunch a launched engine (same args and port); it must be pinned again before use."""
         rec = self._engines[normalize_url(url)]
         if self._reviver is None or not self._reviver.manages(rec.url):
-            raise FleetUnhealthy(
-                f"{rec.url} is down ({reason}) and was not launched by this fleet", [rec.url]
-            )
+            raise FleetUnhealthy(f"{rec.url} is down ({reason}) and was not launched by this fleet", [rec.url])
         log.warning("reviving %s (%s)", rec.url, reason)
         rec.weights_known, rec.verified_version = False, None
         if self.router is not None:
-            await self._router_call(
-                self.router.remove_worker(rec.url, timeout_s=self.config.worker_timeout_s)
-            )
+            await self._router_call(self.router.remove_worker(rec.url, timeout_s=self.config.worker_timeout_s))
         try:
             await asyncio.to_thread(self._reviver.revive, rec.url)
         except (OSError, RuntimeError, TimeoutError) as exc:
@@ -306,10 +290,7 @@ class FleetClient:
             )
             await self._router_call(self.router.wait_ready(timeout_s=self.config.router_ready_timeout_s))
         self._pinned = version
-        infos = [
-            EngineInfo(url=c.url, weight_version=c.weight_version, model_path=c.model_path or "")
-            for c in checks
-        ]
+        infos = [EngineInfo(url=c.url, weight_version=c.weight_version, model_path=c.model_path or "") for c in checks]
         return PinResult(
             snapshot_path=path,
             weight_version=version,
@@ -397,10 +378,10 @@ class FleetClient:
         expected_version: str | None = None,
     ) -> GenerateResult:
         """One sample through the router, retried while aborted, checked against the pinned version."""
-        if self._generator is None:
-            raise FleetError("generate needs a router_url")
         expected = expected_version if expected_version is not None else self._pinned
         if expected is None:
             raise NotPinned("no successful pin and no expected_version: refusing to generate unverified")
+        if self._generator is None:
+            raise FleetError("generate needs a router_url")
         body = build_generate_body(prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid)
         return await self._generator.generate(body, expected)

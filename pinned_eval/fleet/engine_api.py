@@ -59,9 +59,7 @@ class EngineAPI:
     async def model_info(self, url: str) -> EngineInfo:
         """Live weight version and model path. Transport errors propagate (`httpx.TransportError`)."""
         url = normalize_url(url)
-        resp = await self._http.get(
-            f"{url}/model_info", headers=self._data_headers, timeout=self.info_timeout_s
-        )
+        resp = await self._http.get(f"{url}/model_info", headers=self._data_headers, timeout=self.info_timeout_s)
         if resp.status_code == 404:
             resp = await self._http.get(
                 f"{url}/get_model_info", headers=self._data_headers, timeout=self.info_timeout_s
@@ -73,9 +71,7 @@ class EngineAPI:
     async def server_info(self, url: str) -> dict[str, Any]:
         """Startup server args (`/server_info`, falling back to `/get_server_info`); not the live version."""
         url = normalize_url(url)
-        resp = await self._http.get(
-            f"{url}/server_info", headers=self._data_headers, timeout=self.info_timeout_s
-        )
+        resp = await self._http.get(f"{url}/server_info", headers=self._data_headers, timeout=self.info_timeout_s)
         if resp.status_code == 404:
             resp = await self._http.get(
                 f"{url}/get_server_info", headers=self._data_headers, timeout=self.info_timeout_s
@@ -138,13 +134,9 @@ class EngineAPI:
                 error=None if success else "rejected",
             )
         kind: Literal["rejected", "http"] = "rejected" if resp.status_code == 400 else "http"
-        return LoadOutcome(
-            url=url, ok=False, status_code=resp.status_code, message=_message(resp), error=kind
-        )
+        return LoadOutcome(url=url, ok=False, status_code=resp.status_code, message=_message(resp), error=kind)
 
-    async def set_weight_version(
-        self, url: str, new_version: str, *, abort_all_requests: bool = False
-    ) -> None:
+    async def set_weight_version(self, url: str, new_version: str, *, abort_all_requests: bool = False) -> None:
         """Relabel the live weights (`/update_weight_version`); SGLang aborts everything by default."""
         url = normalize_url(url)
         resp = await self._http.post(

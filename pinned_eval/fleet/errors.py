@@ -60,9 +60,7 @@ class RouterError(FleetError):
 class PinViolation(EvalSkipped):
     """After every attempt some engine did not load, or reads back another version or path."""
 
-    def __init__(
-        self, weight_version: str, snapshot_path: str, checks: list[EngineCheck], attempts: int
-    ) -> None:
+    def __init__(self, weight_version: str, snapshot_path: str, checks: list[EngineCheck], attempts: int) -> None:
         self.weight_version = weight_version
         self.snapshot_path = snapshot_path
         self.checks = checks

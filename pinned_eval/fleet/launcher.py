@@ -130,15 +130,11 @@ class LaunchedFleet:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @classmethod
-    def load(
-        cls, state_file: Path, *, ready_timeout_s: float = 300.0, api_key: str | None = None
-    ) -> LaunchedFleet:
+    def load(cls, state_file: Path, *, ready_timeout_s: float = 300.0, api_key: str | None = None) -> LaunchedFleet:
         """Re-open a fleet launched by another process from its state file."""
         state = FleetState.model_validate_json(state_file.read_text())
         if state.format != STATE_FORMAT:
-            raise LaunchError(
-                f"{state_file}: state format {state.format}, this pinned-eval reads {STATE_FORMAT}"
-            )
+            raise LaunchError(f"{state_file}: state format {state.format}, this pinned-eval reads {STATE_FORMAT}")
         return cls(state, state_file, ready_timeout_s=ready_timeout_s, api_key=api_key)
 
     @property
@@ -200,9 +196,7 @@ class LaunchedFleet:
         self.stop()
 
 
-def _wait_router_members(
-    router: ProcessRecord, urls: list[str], timeout_s: float, headers: dict[str, str]
-) -> None:
+def _wait_router_members(router: ProcessRecord, urls: list[str], timeout_s: float, headers: dict[str, str]) -> None:
     deadline = time.monotonic() + timeout_s
     wanted = {normalize_url(u) for u in urls}
     last = "no answer"

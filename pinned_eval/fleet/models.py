@@ -150,9 +150,7 @@ class EngineHealth(BaseModel):
     state: HealthState
     detail: str = ""
     status_code: int | None = None
-    weights_known: bool = Field(
-        description="False after a failed load or a revival, until a pin verifies it."
-    )
+    weights_known: bool = Field(description="False after a failed load or a revival, until a pin verifies it.")
     verified_version: str | None = Field(default=None, description="Version the last pin verified, if any.")
 
     @property

@@ -36,9 +36,7 @@ class ProcessSpec(BaseModel):
 
     role: Literal["engine", "router"]
     command: list[str] = Field(min_length=1)
-    env: dict[str, str] = Field(
-        default_factory=dict, description="Added on top of the launcher's environment."
-    )
+    env: dict[str, str] = Field(default_factory=dict, description="Added on top of the launcher's environment.")
     port: int = Field(gt=0, lt=65536)
     host: str = "127.0.0.1"
     health_path: str = "/health"
