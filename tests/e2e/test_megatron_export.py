@@ -56,6 +56,9 @@ def _job(rank: int, world: int, port: int, root: str) -> None:
                     t0 = time.perf_counter()
                     mh.save_torch_dist(model, out / f"ckpt-{fam}")
                     results[f"{fam}-save"] = {"seconds": time.perf_counter() - t0}
+                    model.bfloat16()  # in place: parameters keep their TP attributes
+                    res = export_live_model(model, str(out / f"base-{fam}"), str(out / f"live-{fam}-bf16"))
+                    results[f"{fam}-bf16"] = asdict(res)
         (out / f"results-{rank}.json").write_text(json.dumps(results))
     finally:
         torch.distributed.destroy_process_group()
@@ -111,6 +114,22 @@ def test_live_export_matches_megatron_logits(mcore_run: Path, family: str, tp: i
     assert all(r["ok"] for r in results)
     assert results[0]["path"] == results[1]["path"] == str(mcore_run / f"live-{family}-tp{tp}")
     assert results[1]["bytes"] == results[0]["bytes"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_model_exports_bf16_snapshot_bit_exact(mcore_run: Path, family: str) -> None:
+    from safetensors.torch import load_file
+
+    def tensors(snap: Path) -> dict[str, torch.Tensor]:
+        shards = set(json.loads((snap / "model.safetensors.index.json").read_text())["weight_map"].values())
+        return {k: v for s in shards for k, v in load_file(snap / s).items()}
+
+    bf16, fp32 = tensors(mcore_run / f"live-{family}-bf16"), tensors(mcore_run / f"live-{family}-tp2")
+    assert bf16.keys() == fp32.keys()
+    for name, t in bf16.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, fp32[name].to(torch.bfloat16)), name
+    config = json.loads((mcore_run / f"live-{family}-bf16" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
 
 
 def test_qwen2_tied_snapshot_has_no_lm_head(mcore_run: Path) -> None:
