@@ -10,7 +10,8 @@ Contract:
   `FleetUnhealthy`. On success the router's membership is exactly the verified engines.
 - Health never calls a loading or paused engine dead: a 503 is "busy" while this client has a load
   or pause in flight, and otherwise until `dead_after_s` has passed with the 503 persisting. Only
-  connection refused, or that persisting 503, is "dead".
+  connection refused, or that persisting 503, is "dead". An engine whose weights are unknown and
+  answers 503 while `/model_info` answers is busy but loadable (the next load heals it), not dead.
 - Weights are "unknown" on an engine from the start of a load until a pin verifies it, after a failed
   load and after a revival; such an engine is never registered with the router.
 - `generate` retries `finish_reason.type == "abort"` (bounded) and raises `WeightVersionMismatch`
@@ -173,26 +174,26 @@ class FleetClient:
             why = "loading" if rec.loading else "paused"
             try:
                 await self.engines.model_info(rec.url)
+            except httpx.TimeoutException:
+                return self._view(rec, HealthState.BUSY, f"{why}; /model_info timed out")
             except httpx.TransportError as exc:
-                if isinstance(exc, httpx.TimeoutException):
-                    return self._view(rec, HealthState.BUSY, f"{why}; /model_info timed out")
                 return self._view(rec, HealthState.DEAD, f"{why} but unreachable: {exc!r}")
-            return self._view(rec, HealthState.BUSY, why)
+            return self._view(rec, HealthState.BUSY, why, loadable=rec.paused)  # a paused engine loads at once
         try:
-            status = await self.engines.health(rec.url)
+            status = await self._health_status(rec.url)
         except httpx.TimeoutException:
             status = 503  # SGLang answers 503 after its own 20 s; a slower silence is the same thing
         except httpx.TransportError as exc:
             return self._view(rec, HealthState.DEAD, f"unreachable: {exc!r}")
         if status == 200:
             rec.unhealthy_since = None
-            return self._view(rec, HealthState.UP, "ok", status)
+            return self._view(rec, HealthState.UP, "ok", status, loadable=True)
         if status != 503:
             raise FleetError(f"{rec.url}/health answered HTTP {status} (auth or protocol problem)")
         now = time.monotonic()
         rec.unhealthy_since = rec.unhealthy_since or now
         persisted = now - rec.unhealthy_since
-        if persisted >= self.config.dead_after_s:
+        if persisted >= self.config.dead_after_s and rec.weights_known:
             return self._view(rec, HealthState.DEAD, f"503 for {persisted:.0f}s with no load in flight", status)
         try:
             await self.engines.model_info(rec.url)
@@ -200,24 +201,42 @@ class FleetClient:
             return self._view(rec, HealthState.DEAD, f"503 then unreachable: {exc!r}", status)
         except (httpx.TransportError, FleetError) as exc:
             return self._view(rec, HealthState.BUSY, f"503; /model_info failed too: {exc!r}", status)
+        if not rec.weights_known:
+            # An engine may refuse to serve unknown weights (the bundled CPU engine does): a load heals it.
+            return self._view(rec, HealthState.BUSY, "503 with weights unknown; needs a load", status, loadable=True)
         return self._view(rec, HealthState.BUSY, f"503 for {persisted:.0f}s; /model_info answers", status)
+
+    async def _health_status(self, url: str) -> int:
+        """`/health` status; a dropped connection (not a refused one) is asked again once on a new one."""
+        try:
+            return await self.engines.health(url)
+        except (httpx.ConnectError, httpx.TimeoutException):
+            raise
+        except httpx.TransportError:
+            return await self.engines.health(url)
 
     async def fleet_health(self) -> list[EngineHealth]:
         return list(await asyncio.gather(*(self.health(u) for u in self._engines)))
 
     @staticmethod
-    def _view(rec: _Engine, state: HealthState, detail: str, status: int | None = None) -> EngineHealth:
+    def _view(
+        rec: _Engine, state: HealthState, detail: str, status: int | None = None, *, loadable: bool = False
+    ) -> EngineHealth:
         return EngineHealth(
             url=rec.url,
             state=state,
             detail=detail,
             status_code=status,
+            loadable=loadable,
             weights_known=rec.weights_known,
             verified_version=rec.verified_version,
         )
 
     async def ensure_alive(self) -> list[str]:
-        """Wait until every engine is up, reviving dead launched ones once each; return the revived."""
+        """Wait until every engine is up or can take a load, reviving dead launched ones once each.
+
+        Returns the revived URLs. Busy engines get `alive_timeout_s`; then `FleetUnhealthy`.
+        """
         deadline = time.monotonic() + self.config.alive_timeout_s
         revived: list[str] = []
         while True:
@@ -230,7 +249,7 @@ class FleetClient:
                 revived.append(view.url)
             if dead:
                 continue
-            busy = [v for v in views if v.state is HealthState.BUSY]
+            busy = [v for v in views if v.state is HealthState.BUSY and not v.loadable]
             if not busy:
                 return revived
             if time.monotonic() >= deadline:

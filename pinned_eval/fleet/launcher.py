@@ -32,6 +32,7 @@ from pinned_eval.fleet.process import (
     is_running,
     start_process,
     stop_process,
+    stop_processes,
     wait_http_ok,
 )
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
@@ -64,25 +65,22 @@ def cpu_engine_specs(
     threads_per_engine: int | None = None,
     python: str = sys.executable,
 ) -> list[ProcessSpec]:
-    """Commands for `pinned-eval engine serve` (the bundled CPU engine), one free port each."""
+    """`pinned-eval engine serve` (the bundled CPU engine) commands, one free port each."""
+    from engine.launch import EngineArgs, engine_command
+
     threads = threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     specs = []
     for _ in range(n_engines):
-        port = free_port()
-        cmd = [python, "-m", "pinned_eval.cli", "engine", "serve", "--model-path", str(model_path)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port)]
-        if weight_version is not None:
-            cmd += ["--weight-version", weight_version]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        if admin_api_key:
-            cmd += ["--admin-api-key", admin_api_key]
-        env = {
-            "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        specs.append(ProcessSpec(role="engine", command=cmd, env=env, port=port))
+        args = EngineArgs(
+            model_path=str(model_path),
+            port=free_port(),
+            weight_version=weight_version or "default",
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+            threads=threads,
+        )
+        env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        specs.append(ProcessSpec(role="engine", command=engine_command(args, python), env=env, port=args.port))
     return specs
 
 
@@ -173,9 +171,8 @@ class LaunchedFleet:
         wait_http_ok(new, timeout_s=self.ready_timeout_s, headers=self._headers, popen=popen)
 
     def stop(self) -> None:
-        """Stop the router, then every engine (by recorded PID/process group); remove the state file."""
-        for rec in [*([self.state.router] if self.state.router else []), *self.state.engines]:
-            stop_process(rec)
+        """Stop the router and every engine (by recorded PID/process group); remove the state file."""
+        stop_processes([*([self.state.router] if self.state.router else []), *self.state.engines])
         if self.state_file is not None:
             self.state_file.unlink(missing_ok=True)
 

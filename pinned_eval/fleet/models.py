@@ -150,6 +150,7 @@ class EngineHealth(BaseModel):
     state: HealthState
     detail: str = ""
     status_code: int | None = None
+    loadable: bool = Field(default=False, description="Answers control calls: a weight load can start now.")
     weights_known: bool = Field(description="False after a failed load or a revival, until a pin verifies it.")
     verified_version: str | None = Field(default=None, description="Version the last pin verified, if any.")
 

@@ -96,43 +96,53 @@ def is_running(record: ProcessRecord) -> bool:
 
 
 def _group_alive(pgid: int) -> bool:
+    """True while some non-zombie process is in group `pgid` (zombies of another parent don't count)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pgid, os.WNOHANG)  # reap the leader if it is our child
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return False
 
 
-def _wait_group_gone(pgid: int, wait_s: float) -> bool:
-    deadline = time.monotonic() + wait_s
-    while True:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pgid, os.WNOHANG)  # reap the leader if it is our child (else it lingers as a zombie)
-        if not _group_alive(pgid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
+def _ours(record: ProcessRecord) -> bool:
+    """False when the recorded PID now belongs to another process (so our group is long gone)."""
+    try:
+        return abs(psutil.Process(record.pid).create_time() - record.create_time) < 0.05
+    except psutil.NoSuchProcess:
+        return True  # leader gone; a surviving group with this id can only be ours
+
+
+def stop_processes(records: list[ProcessRecord], *, grace_s: float = 10.0) -> None:
+    """SIGTERM every record's process group at once, SIGKILL survivors after `grace_s`."""
+    groups = {r.pid: r for r in records if _ours(r)}
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pgid in list(groups):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                groups.pop(pgid)
+        deadline = time.monotonic() + wait_s
+        while groups and time.monotonic() < deadline:
+            groups = {g: r for g, r in groups.items() if _group_alive(g)}
+            time.sleep(0.05)
+        groups = {g: r for g, r in groups.items() if _group_alive(g)}
+        if not groups:
+            return
+    raise LaunchError(f"process groups {sorted(groups)} survived SIGKILL")
 
 
 def stop_process(record: ProcessRecord, *, grace_s: float = 10.0) -> None:
-    """SIGTERM the record's process group, SIGKILL it after `grace_s`; no-op when already gone."""
-    pgid = record.pid
-    try:
-        if abs(psutil.Process(pgid).create_time() - record.create_time) >= 0.05:
-            return  # the PID was reused, so our group was gone before it could be
-    except psutil.NoSuchProcess:
-        pass  # leader gone; a surviving group with this id can only be ours
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        if _wait_group_gone(pgid, wait_s):
-            return
-    raise LaunchError(f"process group {pgid} ({record.spec.role}) survived SIGKILL")
+    stop_processes([record], grace_s=grace_s)
 
 
 def log_tail(path: str | Path, n_bytes: int = 3000) -> str:

@@ -145,6 +145,20 @@ async def test_failed_load_leaves_weights_unknown_until_a_good_pin(
         assert all(v.serving for v in await client.fleet_health())
 
 
+async def test_engine_refusing_unknown_weights_is_loadable_not_dead(
+    serve: list[ServedFake], snapshot: Path, tmp_path: Path
+) -> None:
+    a = start(serve, refuse_unknown_weights=True)
+    config = FAST.model_copy(update={"dead_after_s": 0.0, "alive_timeout_s": 0.5})  # no waiting, no revival
+    async with FleetClient([a.url], config=config) as client:
+        with pytest.raises(PinViolation):
+            await client.pin(tmp_path / "missing", "6")
+        view = await client.health(a.url)
+        assert (view.state, view.loadable, view.status_code) == (HealthState.BUSY, True, 503)
+        assert (await client.pin(snapshot, "7")).weight_version == "7"
+        assert (await client.health(a.url)).serving
+
+
 async def test_dead_launched_engine_is_revived_before_the_pin(serve: list[ServedFake], snapshot: Path) -> None:
     a, b = start(serve), start(serve)
     reviver = RestartingReviver(serve, [a.url, b.url])

@@ -30,6 +30,7 @@ class FakeEngine:
     lie_version: str | None = None  # a successful load sets this version instead of the asked one
     lie_path: str | None = None  # ... and reports this model_path instead of the loaded one
     fail_loads: bool = False
+    refuse_unknown_weights: bool = False  # like the bundled CPU engine: /health 503 after a failed load
     abort_first: int = 0  # abort this many /generate requests first
     generate_version: str | None = None  # answer with this version instead of the live one
     spans: list[dict[str, Any]] | None = None
@@ -95,6 +96,8 @@ class FakeEngine:
         path = body["model_path"]
         self.model_path = path  # SGLang overwrites the path before it knows the load works (§1.7)
         if self.fail_loads or not os.path.isdir(path):
+            if self.refuse_unknown_weights:
+                self.health_status = 503
             return 400, {
                 "success": False,
                 "message": f"Failed to get weights iterator: {path}",
@@ -102,6 +105,8 @@ class FakeEngine:
             }
         self.weight_version = self.lie_version or body.get("weight_version") or self.weight_version
         self.model_path = self.lie_path or path
+        if self.refuse_unknown_weights:
+            self.health_status = 200
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
