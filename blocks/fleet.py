@@ -8,12 +8,15 @@ its engines; the fleet's name names its pin lock, the global concurrency limit `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
+
+if TYPE_CHECKING:
+    from pinned_eval.fleet.client import FleetClient
 
 
 class FleetBlock(Block):
@@ -82,3 +85,19 @@ class FleetBlock(Block):
 
     def state_path(self) -> Path | None:
         return Path(self.state_file) if self.state_file else None
+
+    def client(self) -> FleetClient:
+        """A fleet client over this fleet's engines; in launch mode it can revive dead engines."""
+        from pinned_eval.fleet.client import FleetClient, FleetConfig
+        from pinned_eval.fleet.launcher import LaunchedFleet
+
+        config = FleetConfig(
+            load_timeout_s=self.load_timeout_s,
+            max_concurrency=self.request_concurrency,
+            api_key=self.api_key.get_secret_value() if self.api_key else None,
+            admin_api_key=self.admin_api_key.get_secret_value() if self.admin_api_key else None,
+        )
+        if self.mode == "attach":
+            return FleetClient(self.engine_urls, self.router_url, config=config)
+        launched = LaunchedFleet.load(Path(str(self.state_file)), api_key=config.api_key)
+        return FleetClient(launched.engine_urls, launched.router_url, config=config, reviver=launched)

@@ -1,0 +1,1 @@
+"""Prefect flows: `eval_point` (one run per point), the watch evaluator and the janitor."""

@@ -47,8 +47,8 @@ class SnapshotSource(BaseModel):
 
     @model_validator(mode="after")
     def _base_needed(self) -> SnapshotSource:
-        if self.kind is SourceKind.STATE_DICT and not self.hf_base:
-            raise ValueError("source kind 'state_dict' needs `hf_base` (config and tokenizer)")
+        if self.kind in (SourceKind.STATE_DICT, SourceKind.MEGATRON) and not self.hf_base:
+            raise ValueError(f"source kind {self.kind.value!r} needs `hf_base` (config and tokenizer)")
         return self
 
     @property

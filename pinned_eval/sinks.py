@@ -10,7 +10,6 @@ concurrent points (separate processes) do not lose each other's rows.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import tempfile
 from collections.abc import Iterator

@@ -1,0 +1,136 @@
+"""The eval-point flow: one Prefect flow run measures one verified weight version, or says why not.
+
+    admit → export → check → [fleet lock: pin → generate] → score → log;  finally: retire
+
+Outcomes: Completed (measured); Completed named "Skipped" with the reason as message (an
+`EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation, ...);
+Failed on an unexpected error, after recording `skipped_crashed` at the step. The snapshot is
+retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
+`on_crashed` hook when the flow-run process itself is killed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.client.schemas.objects import FlowRun
+from prefect.states import Completed, State
+from pydantic import BaseModel, ConfigDict
+
+from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from pinned_eval.points import RUN_PATTERN, Posture, SnapshotSource, flow_run_name
+from pinned_eval.scoring.metrics import point_metrics
+from pinned_eval.skips import EvalSkipped, SkipReason
+from tasks.admission import admitted, fleet_lock
+from tasks.generate import generate
+from tasks.log import lag_steps, log_point, measured_rows, skip_rows
+from tasks.pin import pin_fleet, verify_shared
+from tasks.score import score
+from tasks.snapshots import Snapshot, check_snapshot_task, export_snapshot, retire_snapshot
+
+
+class PointConfig(BaseModel):
+    """The blocks a point uses, loaded once at flow start."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    suite: EvalSuiteBlock
+    fleet: FleetBlock
+    staging: StagingBlock
+    sinks: SinksBlock
+
+    @classmethod
+    def load(cls, suite: str, fleet: str, staging: str, sinks: str) -> PointConfig:
+        return cls(
+            suite=EvalSuiteBlock.load(suite),
+            fleet=FleetBlock.load(fleet),
+            staging=StagingBlock.load(staging),
+            sinks=SinksBlock.load(sinks),
+        )
+
+
+def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
+    """`on_crashed` hook (runs in the worker when the flow-run process dies): retire and record."""
+    params = flow_run.parameters
+    run, step = params["run"], int(params["step"])
+    source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
+    if source is not None and source.owned:
+        staging = StagingBlock.load(params.get("staging", "default")).staging()
+        staging.retire(staging.path_for(run, step), owned=True)
+    from pinned_eval.sinks import JsonlSink
+
+    sinks = SinksBlock.load(params.get("sinks", "default"))
+    if sinks.jsonl_path:
+        JsonlSink(sinks.jsonl_path).write_point(
+            skip_rows(run, step, SkipReason.CRASHED, state.message or "crashed", failed=True)
+        )
+
+
+@flow(name="eval-point", flow_run_name="{run}/step-{step}", on_crashed=[retire_on_crash])
+def eval_point(
+    run: str,
+    step: int,
+    source: SnapshotSource | None = None,
+    final: bool = False,
+    posture: Posture = Posture.FLEET,
+    policy: Literal["backpressure", "skip"] = "backpressure",
+    max_in_flight: int = 2,
+    export_time_seconds: float | None = None,
+    suite: str = "default",
+    fleet: str = "default",
+    staging: str = "default",
+    sinks: str = "default",
+) -> State:
+    """Measure the weights of `run` at `step` (weight version `str(step)`) on the eval suite."""
+    _validate(run, step, source, posture)
+    started = time.monotonic()
+    cfg = PointConfig.load(suite, fleet, staging, sinks)
+    store = cfg.staging.staging()
+    version = str(step)
+    snapshot: Snapshot | None = None
+    try:
+        with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
+            datasets = cfg.suite.resolved()
+            if posture is Posture.FLEET:
+                assert source is not None
+                snapshot = export_snapshot(source, run, step, store)
+                snapshot = check_snapshot_task(snapshot, store)
+            with fleet_lock(cfg.fleet.lock_name):
+                if snapshot is not None:
+                    pin_fleet(cfg.fleet, str(snapshot.local_path), version)
+                else:
+                    verify_shared(cfg.fleet, version)
+                generations = generate(cfg.fleet, datasets, version, rid_prefix=f"{run}-{step}")
+            per_dataset = score(generations, datasets, cfg.suite.suite, version)
+            exported = snapshot.export_time_seconds if snapshot else None
+            point = point_metrics(
+                step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
+            )
+            log_point(run, step, measured_rows(run, step, per_dataset, point), cfg.sinks)
+            summary = ", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items())
+            return Completed(message=f"measured {flow_run_name(run, step)}: {summary}")
+    except EvalSkipped as skip:
+        get_run_logger().warning("skipped %s: %s", flow_run_name(run, step), skip)
+        log_point(run, step, skip_rows(run, step, skip.reason, skip.message), cfg.sinks)
+        return Completed(name="Skipped", message=f"{skip.reason}: {skip.message}")
+    except Exception as exc:
+        log_point(run, step, skip_rows(run, step, SkipReason.CRASHED, repr(exc), failed=True), cfg.sinks)
+        raise
+    finally:
+        if snapshot is not None:
+            retire_snapshot(snapshot, store)
+
+
+def _validate(run: str, step: int, source: SnapshotSource | None, posture: Posture) -> None:
+    import re
+
+    if not re.match(RUN_PATTERN, run):
+        raise ValueError(f"run: {run!r} must match {RUN_PATTERN}")
+    if step < 0:
+        raise ValueError(f"step: must be >= 0, got {step}")
+    if posture is Posture.FLEET and source is None:
+        raise ValueError("source: the fleet posture needs a snapshot source")
+    if posture is Posture.EXTERNAL:
+        raise ValueError("posture: 'external' runs through the CheckpointEvalFn backend, not this flow yet")

@@ -1,0 +1,123 @@
+"""Generate task: every dataset of the suite, concurrently, through the pinned fleet's router.
+
+Contract: one request per (prompt, sample) with a deterministic `sampling_seed` and `rid`; the
+fleet client bounds requests in flight (the fleet's request concurrency), retries `abort`
+finishes and refuses any response whose `weight_version` is not the pinned one. Failures map to
+skips: a response from other weights → `pin_violation`; a fleet that stops serving (transport
+errors, 5xx, persistent aborts) → `unhealthy`; a request the engine rejects as malformed (4xx)
+is a bug and propagates (the point crashes). Progress is a Prefect progress artifact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict
+
+from blocks.fleet import FleetBlock
+from pinned_eval.fleet.client import FleetClient
+from pinned_eval.fleet.errors import (
+    FleetError,
+    GenerateRejected,
+    GenerationAborted,
+    WeightVersionMismatch,
+)
+from pinned_eval.skips import EvalSkipped, SkipReason
+from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
+
+
+class Generation(BaseModel):
+    """One sample of one prompt, as the engine returned it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dataset: str
+    prompt_index: int
+    sample_index: int
+    label: str
+    response: str
+    response_len: int
+    finish_reason: str | None
+    weight_version: str | None
+
+
+class _Progress:
+    """Updates the progress artifact at most every 5 %."""
+
+    def __init__(self, total: int, key_hint: str) -> None:
+        self.total, self.done, self._shown = max(total, 1), 0, 0.0
+        self.artifact_id = create_progress_artifact(0.0, description=f"generating {key_hint}")
+
+    def tick(self) -> None:
+        self.done += 1
+        pct = 100.0 * self.done / self.total
+        if pct - self._shown >= 5.0 or self.done == self.total:
+            self._shown = pct
+            update_progress_artifact(self.artifact_id, pct)
+
+
+def _sampling(ds: ResolvedDataset, seed: int) -> dict[str, Any]:
+    params = ds.sampling_params()
+    params["sampling_seed"] = seed
+    if not params.get("stop"):
+        params.pop("stop", None)
+    return params
+
+
+async def _one(
+    client: FleetClient, ds: ResolvedDataset, sample: EvalSample, j: int, rid: str, version: str
+) -> Generation:
+    prompt = sample.prompt
+    if not isinstance(prompt, str):
+        raise ValueError(f"dataset {ds.name} row {sample.index}: chat-message prompts need apply_chat_template")
+    result = await client.generate(
+        prompt,
+        sampling_params=_sampling(ds, seed=sample.index * 1000 + j),
+        rid=rid,
+        expected_version=version,
+    )
+    return Generation(
+        dataset=ds.name,
+        prompt_index=sample.index,
+        sample_index=j,
+        label=str(sample.label),
+        response=result.text,
+        response_len=result.meta_info.completion_tokens,
+        finish_reason=result.finish_type,
+        weight_version=result.meta_info.weight_version,
+    )
+
+
+async def _generate_all(
+    fleet: FleetBlock, datasets: list[ResolvedDataset], version: str, rid_prefix: str
+) -> list[Generation]:
+    work = [(ds, s, j) for ds in datasets for s in load_dataset(ds) for j in range(ds.n_samples_per_prompt)]
+    progress = _Progress(len(work), rid_prefix)
+    async with fleet.client() as client:
+
+        async def run(ds: ResolvedDataset, s: EvalSample, j: int) -> Generation:
+            out = await _one(client, ds, s, j, f"{rid_prefix}-{ds.name}-{s.index}-{j}", version)
+            progress.tick()
+            return out
+
+        return list(await asyncio.gather(*(run(ds, s, j) for ds, s, j in work)))
+
+
+@task(cache_policy=NO_CACHE, task_run_name="generate-{weight_version}")
+def generate(
+    fleet: FleetBlock, datasets: list[ResolvedDataset], weight_version: str, rid_prefix: str
+) -> list[Generation]:
+    try:
+        return asyncio.run(_generate_all(fleet, datasets, weight_version, rid_prefix))
+    except WeightVersionMismatch as exc:
+        raise EvalSkipped(SkipReason.PIN_VIOLATION, str(exc)) from exc
+    except GenerateRejected as exc:
+        if exc.status_code < 500:
+            raise
+        raise EvalSkipped(SkipReason.UNHEALTHY, str(exc)) from exc
+    except (GenerationAborted, FleetError) as exc:
+        raise EvalSkipped(SkipReason.UNHEALTHY, str(exc)) from exc

@@ -1,0 +1,118 @@
+"""Log task: one point's record into every sink — JSONL, W&B, and Prefect artifacts.
+
+Contract: a measured point writes one row per dataset, a skipped/failed point one point-level row
+with `eval/skipped_<reason>: 1`; every row is at the point's step. Artifacts: a table per point
+(`eval-<run>-step-<step>`) and the run's history table `eval-<run>` (one row per step, newest
+record wins) — a new version of it per point. Secrets never enter a row or an artifact.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import Artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+from prefect.variables import Variable
+
+from blocks.sinks import SinksBlock
+from pinned_eval.points import history_artifact_key, progress_variable_name
+from pinned_eval.sinks import JsonlSink, MetricRow, log_to_wandb
+
+
+def trainer_step(run: str) -> int | None:
+    """The trainer's latest reported step (a Prefect Variable the trainer side updates)."""
+    value = Variable.get(progress_variable_name(run), default=None)
+    return int(value) if value is not None else None
+
+
+def lag_steps(run: str, step: int) -> int:
+    latest = trainer_step(run)
+    return max(latest - step, 0) if latest is not None else 0
+
+
+def _flow_run_id() -> str | None:
+    ctx = get_run_context()
+    flow_run = getattr(ctx, "flow_run", None) or getattr(getattr(ctx, "task_run", None), "flow_run_id", None)
+    return str(getattr(flow_run, "id", flow_run)) if flow_run else None
+
+
+def _history_row(rows: list[MetricRow]) -> dict[str, Any]:
+    first = rows[0]
+    row: dict[str, Any] = {
+        "step": first.step,
+        "state": first.state,
+        "reason": first.reason or "",
+        "weight_version": first.weight_version or "",
+        "lag_steps": first.metrics.get("eval/lag_steps", ""),
+    }
+    for r in rows:
+        if r.dataset is not None:
+            row[f"eval/{r.dataset}"] = round(r.metrics.get(f"eval/{r.dataset}", float("nan")), 4)
+    return row
+
+
+def _update_history(run: str, rows: list[MetricRow]) -> None:
+    key = history_artifact_key(run)
+    previous = Artifact.get(key)
+    table: list[dict[str, Any]] = []
+    if previous is not None and previous.data:
+        data = json.loads(previous.data) if isinstance(previous.data, str) else previous.data
+        table = [r for r in data if r.get("step") != rows[0].step]
+    table.append(_history_row(rows))
+    table.sort(key=lambda r: r["step"])
+    create_table_artifact(table=table, key=key, description=f"eval history of run {run}, one row per step")
+
+
+@task(cache_policy=NO_CACHE, task_run_name="log-{run}-{step}")
+def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> None:
+    flow_run_id = _flow_run_id()
+    rows = [r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows]
+    if sinks.jsonl_path:
+        JsonlSink(sinks.jsonl_path).write_point(rows)
+    if sinks.wandb_project and sinks.wandb_mode != "disabled":
+        merged: dict[str, float] = {}
+        for r in rows:
+            merged.update(r.metrics)
+        log_to_wandb(
+            merged,
+            project=sinks.wandb_project,
+            run_id=sinks.wandb_run_id or run,
+            entity=sinks.wandb_entity,
+            mode=sinks.wandb_mode,
+            directory=sinks.wandb_dir,
+        )
+    key = f"{history_artifact_key(run)}-step-{step}"
+    create_table_artifact(
+        table=[{"dataset": r.dataset or "", "state": r.state, "reason": r.reason or "", **r.metrics} for r in rows],
+        key=key,
+        description=f"eval point {run}/step-{step}",
+    )
+    _update_history(run, rows)
+    get_run_logger().info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
+
+
+def measured_rows(
+    run: str, step: int, per_dataset: dict[str, dict[str, float]], point: dict[str, float]
+) -> list[MetricRow]:
+    version = str(step)
+    return [
+        MetricRow(run=run, step=step, dataset=ds, state="measured", weight_version=version, metrics={**m, **point})
+        for ds, m in per_dataset.items()
+    ]
+
+
+def skip_rows(run: str, step: int, reason: str, message: str, *, failed: bool = False) -> list[MetricRow]:
+    from pinned_eval.scoring.metrics import skip_metrics
+
+    return [
+        MetricRow(
+            run=run,
+            step=step,
+            state="failed" if failed else "skipped",
+            reason=reason,
+            metrics={**skip_metrics(step, reason), "eval/lag_steps": float(lag_steps(run, step))},
+        )
+    ]

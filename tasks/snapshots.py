@@ -1,0 +1,102 @@
+"""Snapshot tasks: export a point's source into staging, check completeness, retire.
+
+Contract:
+- `export_snapshot` turns a `SnapshotSource` into a `Snapshot`: `hf` is reused as is (never
+  owned, never deleted); `staged` is adopted (it must be this point's staging path); `megatron`
+  and `state_dict` are converted into `staging.path_for(run, step)`. Any export failure removes
+  what it wrote and raises `EvalSkipped(EXPORT_FAILED)`.
+- `check_snapshot_task` reads headers only and raises `EvalSkipped(CKPT_MISSING)` with the
+  typed problem (missing marker, truncated shard, ...); an S3 snapshot is then materialized
+  into the engine-visible local cache and `Snapshot.local_path` is set.
+- `retire_snapshot` runs in the flow's `finally` and the `on_crashed` hook: owned snapshots
+  enter the run's keep-ring, anything else is left alone.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict, Field
+
+from pinned_eval.points import SnapshotSource, SourceKind
+from pinned_eval.skips import EvalSkipped, SkipReason
+from pinned_eval.snapshot.check import check_snapshot
+from pinned_eval.snapshot.staging import RetireResult, Staging, StagingPathError
+
+
+class Snapshot(BaseModel):
+    """The snapshot a point measures, and whether the point owns it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str = Field(description="Directory or s3:// URL of the snapshot.")
+    owned: bool = Field(description="True when this point must retire it.")
+    kind: SourceKind
+    require_marker: bool = True
+    export_time_seconds: float | None = None
+    local_path: str | None = Field(default=None, description="Engine-visible directory (after check).")
+
+
+@task(cache_policy=NO_CACHE, task_run_name="export-{source.kind}")
+def export_snapshot(source: SnapshotSource, run: str, step: int, staging: Staging) -> Snapshot:
+    logger = get_run_logger()
+    if source.kind is SourceKind.HF:
+        return Snapshot(path=source.path, owned=False, kind=source.kind, require_marker=source.require_marker)
+    dest = staging.path_for(run, step)
+    if source.kind is SourceKind.STAGED:
+        if source.path.rstrip("/") != dest.rstrip("/"):
+            raise EvalSkipped(
+                SkipReason.EXPORT_FAILED,
+                f"staged snapshot {source.path!r} is not this point's staging path {dest!r}",
+            )
+        return Snapshot(path=dest, owned=True, kind=source.kind)
+    started = time.monotonic()
+    try:
+        if source.kind is SourceKind.MEGATRON:
+            from pinned_eval.snapshot.megatron import export_megatron_checkpoint
+
+            assert source.hf_base is not None  # validated by SnapshotSource
+            export_megatron_checkpoint(
+                source.path, source.hf_base, dest, storage_options=staging.storage_options
+            )
+        else:
+            from pinned_eval.snapshot.state_dict import export_state_dict
+
+            assert source.hf_base is not None
+            export_state_dict(source.path, source.hf_base, dest, storage_options=staging.storage_options)
+    except Exception as exc:  # the export boundary: any failure is this point's export_failed skip
+        logger.exception("export of %s %s failed", source.kind, source.path)
+        staging.delete(dest)
+        raise EvalSkipped(SkipReason.EXPORT_FAILED, f"{source.kind} export failed: {exc}") from exc
+    seconds = time.monotonic() - started
+    logger.info("exported %s %s to %s in %.2fs", source.kind, source.path, dest, seconds)
+    return Snapshot(path=dest, owned=True, kind=source.kind, export_time_seconds=seconds)
+
+
+@task(cache_policy=NO_CACHE, task_run_name="check")
+def check_snapshot_task(snapshot: Snapshot, staging: Staging) -> Snapshot:
+    if not snapshot.require_marker:
+        if not Path(snapshot.path).is_dir():
+            raise EvalSkipped(SkipReason.CKPT_MISSING, f"{snapshot.path} is not a directory")
+        return snapshot.model_copy(update={"local_path": snapshot.path})
+    result = check_snapshot(snapshot.path, staging.storage_options if snapshot.owned else None)
+    if not result.complete:
+        raise EvalSkipped(SkipReason.CKPT_MISSING, f"{snapshot.path}: {result.problem}: {result.detail}")
+    local = staging.materialize(snapshot.path) if snapshot.path.startswith("s3://") else Path(snapshot.path)
+    return snapshot.model_copy(update={"local_path": str(local)})
+
+
+@task(cache_policy=NO_CACHE, task_run_name="retire")
+def retire_snapshot(snapshot: Snapshot, staging: Staging) -> RetireResult:
+    try:
+        result = staging.retire(snapshot.path, owned=snapshot.owned)
+    except StagingPathError as exc:
+        # never delete outside staging; the refusal is logged and the point's outcome stands
+        get_run_logger().error("refused to retire %s: %s", snapshot.path, exc)
+        return RetireResult(snapshot.path, owned=snapshot.owned, deleted=[], kept=[snapshot.path])
+    if result.deleted:
+        get_run_logger().info("retired; deleted %s, kept %s", result.deleted, result.kept)
+    return result

@@ -1,0 +1,189 @@
+"""The eval-point flow end to end: real Prefect server, CPU fleet behind sglang-router, real snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.artifacts import Artifact
+
+from blocks import FleetBlock, StagingBlock
+from flows.eval_point import eval_point
+from pinned_eval.points import history_artifact_key
+from pinned_eval.sinks import JsonlSink
+from tasks.admission import admitted
+from tests.conftest import free_port
+from tests.pointkit import (  # noqa: F401 - fixtures
+    SMALL_SUITE,
+    PointEnv,
+    cpu_fleet,
+    point_env,
+    save_point_blocks,
+    tiny_model,
+    write_step_snapshot,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def run_point(env: PointEnv, step: int, **params: object):
+    state = eval_point(**env.params(step, **params), return_state=True)
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(state.state_details.flow_run_id)
+    return state, fr
+
+
+def staged(env: PointEnv, step: int, tiny: Path, **kw: object) -> dict[str, str]:
+    store = StagingBlock.load(env.blocks["staging"]).staging()
+    dest = store.path_for(env.run, step)
+    write_step_snapshot(tiny, dest, **kw)  # type: ignore[arg-type]
+    return {"kind": "staged", "path": dest}
+
+
+def test_measured_point_pins_exactly_its_step(point_env: PointEnv, tiny_model: Path) -> None:
+    state, fr = run_point(point_env, 7, source=staged(point_env, 7, tiny_model))
+    assert state.is_completed() and state.name == "Completed", state.message
+    assert fr.name == f"{point_env.run}/step-7"
+    rows = JsonlSink(point_env.jsonl).read(point_env.run)
+    assert {r.dataset for r in rows} == {"arith_add", "arith_sub"}
+    for r in rows:
+        ds = r.dataset
+        assert r.state == "measured" and r.step == 7 and r.weight_version == "7"
+        assert r.metrics[f"eval/{ds}/weight_version/mean"] == 7
+        assert r.metrics[f"eval/{ds}/weight_version/mixed_version_ratio"] == 0
+        assert r.metrics["eval/step"] == 7
+    history = Artifact.get(history_artifact_key(point_env.run))
+    assert history is not None
+    table = json.loads(history.data) if isinstance(history.data, str) else history.data
+    assert [(row["step"], row["state"], row["weight_version"]) for row in table] == [(7, "measured", "7")]
+    for r in rows:
+        assert table[0][f"eval/{r.dataset}"] == pytest.approx(r.metrics[f"eval/{r.dataset}"], abs=1e-4)
+
+
+def test_busy_under_skip_policy_is_a_skipped_point(point_env: PointEnv) -> None:
+    with admitted(point_env.run, 1, policy="skip", final=False, max_in_flight=1):
+        state, fr = run_point(
+            point_env, 2, source={"kind": "hf", "path": "/nonexistent"}, policy="skip", max_in_flight=1
+        )
+    assert state.is_completed() and state.name == "Skipped"
+    assert state.message.startswith("busy")
+    [row] = JsonlSink(point_env.jsonl).read(point_env.run)
+    assert row.metrics == {"eval/step": 2, "eval/skipped_busy": 1, "eval/lag_steps": 0}
+
+
+def test_final_point_waits_instead_of_skipping(point_env: PointEnv, tiny_model: Path) -> None:
+    source = staged(point_env, 5, tiny_model)
+    release = threading.Event()
+
+    def hold() -> None:
+        with admitted(point_env.run, 4, policy="skip", final=False, max_in_flight=1):
+            release.wait(20)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    time.sleep(1.0)
+    threading.Timer(2.0, release.set).start()
+    state, _ = run_point(point_env, 5, source=source, policy="skip", max_in_flight=1, final=True)
+    t.join(20)
+    assert state.name == "Completed", state.message
+    [r.state for r in JsonlSink(point_env.jsonl).read(point_env.run)] == ["measured", "measured"]
+
+
+def test_backpressure_waits_then_measures(point_env: PointEnv, tiny_model: Path) -> None:
+    source = staged(point_env, 6, tiny_model)
+    release = threading.Event()
+    t = threading.Thread(target=lambda: _hold_slot(point_env.run, release))
+    t.start()
+    time.sleep(1.0)
+    threading.Timer(2.0, release.set).start()
+    started = time.monotonic()
+    state, _ = run_point(point_env, 6, source=source, policy="backpressure", max_in_flight=1)
+    t.join(20)
+    assert state.name == "Completed", state.message
+    rows = JsonlSink(point_env.jsonl).read(point_env.run)
+    assert all(r.state == "measured" for r in rows)
+    # duration includes the wait in admission (miles: queued time counts)
+    assert rows[0].metrics["eval/duration_seconds"] <= time.monotonic() - started
+
+
+def _hold_slot(run: str, release: threading.Event) -> None:
+    with admitted(run, 0, policy="skip", final=False, max_in_flight=1):
+        release.wait(20)
+
+
+def test_missing_marker_and_truncated_shard_are_ckpt_missing(point_env: PointEnv, tiny_model: Path) -> None:
+    src = staged(point_env, 3, tiny_model)
+    (Path(src["path"]) / ".complete").unlink()
+    state, _ = run_point(point_env, 3, source=src)
+    assert state.name == "Skipped" and state.message.startswith("ckpt_missing")
+    assert "missing_marker" in state.message
+
+    src = staged(point_env, 4, tiny_model)
+    shard = sorted(Path(src["path"]).glob("model-*.safetensors"))[0]
+    os.truncate(shard, shard.stat().st_size - 1)
+    state, _ = run_point(point_env, 4, source=src)
+    assert state.name == "Skipped" and "truncated_shard" in state.message
+    reasons = {r.step: r.reason for r in JsonlSink(point_env.jsonl).read(point_env.run)}
+    assert reasons == {3: "ckpt_missing", 4: "ckpt_missing"}
+
+
+def test_engines_down_in_attach_mode_is_unhealthy(
+    prefect_server: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    fleet = FleetBlock(name="dead", mode="attach", engine_urls=dead, router_url=f"http://127.0.0.1:{free_port()}")
+    env = save_point_blocks(tmp_path, fleet)
+    state, _ = run_point(env, 9, source={"kind": "hf", "path": str(tiny_model), "require_marker": False})
+    assert state.name == "Skipped" and state.message.startswith("unhealthy"), state.message
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    assert row.metrics["eval/skipped_unhealthy"] == 1 and row.step == 9
+
+
+def test_reward_that_raises_fails_the_run_and_records_crashed(
+    prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    suite = SMALL_SUITE.model_copy(
+        update={"defaults": SMALL_SUITE.defaults.model_copy(update={"reward": "custom:tests.rewards:explode"})}
+    )
+    fleet = FleetBlock(name="crash", mode="launch", state_file=str(cpu_fleet.state_file))
+    env = save_point_blocks(tmp_path, fleet, suite=suite, keep_snapshots=0)
+    src = staged(env, 11, tiny_model)
+    state, fr = run_point(env, 11, source=src)
+    assert state.is_failed()
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    assert row.state == "failed" and row.metrics["eval/skipped_crashed"] == 1
+    assert not Path(src["path"]).exists(), "a crashed point still retires its snapshot"
+
+
+def test_keep_ring_of_two_after_three_points_and_hf_survives(point_env: PointEnv, tiny_model: Path) -> None:
+    paths = []
+    for step in (1, 2, 3):
+        src = staged(point_env, step, tiny_model)
+        paths.append(Path(src["path"]))
+        state, _ = run_point(point_env, step, source=src)
+        assert state.name == "Completed", state.message
+    assert [p.exists() for p in paths] == [False, True, True]
+
+
+def test_hf_source_survives_keep_zero(prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path) -> None:
+    fleet = FleetBlock(name="hfkeep", mode="launch", state_file=str(cpu_fleet.state_file))
+    env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
+    hf_dir = tmp_path / "hf-step-12"
+    write_step_snapshot(tiny_model, str(hf_dir))
+    state, _ = run_point(env, 12, source={"kind": "hf", "path": str(hf_dir)})
+    assert state.name == "Completed", state.message
+    assert (hf_dir / ".complete").exists()
+
+
+def test_failed_export_leaves_nothing_behind(point_env: PointEnv, tmp_path: Path, tiny_model: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    state, _ = run_point(point_env, 13, source={"kind": "state_dict", "path": str(bad), "hf_base": str(tiny_model)})
+    assert state.name == "Skipped" and state.message.startswith("export_failed"), state.message
+    store = StagingBlock.load(point_env.blocks["staging"]).staging()
+    assert not Path(store.path_for(point_env.run, 13)).exists()

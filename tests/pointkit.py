@@ -1,0 +1,103 @@
+"""Fixtures for eval-point tests: a tiny model, a CPU fleet behind sglang-router, saved blocks.
+
+Import into a test module: `from tests.pointkit import *` (fixtures only). The fleet and the
+model are session-scoped; every test gets its own run name, staging root and JSONL file.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from pinned_eval.snapshot.writer import write_snapshot
+from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
+
+SMALL_SUITE = EvalSuite(
+    datasets=(
+        DatasetSpec(name="arith_add", path="builtin:arith_add.jsonl", max_prompts=6),
+        DatasetSpec(name="arith_sub", path="builtin:arith_sub.jsonl", max_prompts=6),
+    ),
+    defaults=SamplingDefaults(temperature=0.0, max_new_tokens=3, n_samples_per_prompt=1, reward="exact_match"),
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@dataclass(frozen=True)
+class CpuFleet:
+    state_file: Path
+    engine_urls: list[str]
+    router_url: str
+
+
+@pytest.fixture(scope="session")
+def cpu_fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuFleet]:
+    from pinned_eval.fleet.launcher import launch_cpu_fleet
+
+    state = tmp_path_factory.mktemp("fleet") / "fleet.json"
+    fleet = launch_cpu_fleet(tiny_model, 2, state_file=state, ready_timeout_s=180)
+    try:
+        assert fleet.router_url is not None
+        yield CpuFleet(state, fleet.engine_urls, fleet.router_url)
+    finally:
+        fleet.stop()
+
+
+def write_step_snapshot(base: Path, dest: str, *, scale: float = 0.0, seed: int = 0) -> str:
+    """Write the base model's weights (optionally perturbed) as a complete snapshot at `dest`."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for shard in sorted(base.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    named = [(n, t + scale * torch.randn(t.shape, generator=gen)) for n, t in sorted(tensors.items())]
+    write_snapshot(named, dest, base_hf_dir=str(base), max_shard_bytes=64 * 1024)
+    return dest
+
+
+@dataclass(frozen=True)
+class PointEnv:
+    run: str
+    staging_root: Path
+    jsonl: Path
+    blocks: dict[str, str]  # parameter name -> saved block name
+
+    def params(self, step: int, **extra: object) -> dict[str, object]:
+        return {"run": self.run, "step": step, **self.blocks, **extra}
+
+
+def save_point_blocks(
+    tmp_path: Path,
+    fleet: FleetBlock,
+    *,
+    suite: EvalSuite = SMALL_SUITE,
+    keep_snapshots: int = 2,
+) -> PointEnv:
+    tag = uuid.uuid4().hex[:8]
+    run = f"t{tag}"
+    staging_root = tmp_path / "staging"
+    staging_root.mkdir()
+    jsonl = tmp_path / "metrics.jsonl"
+    names = {"suite": f"suite-{tag}", "fleet": f"fleet-{tag}", "staging": f"staging-{tag}", "sinks": f"sinks-{tag}"}
+    EvalSuiteBlock(suite=suite).save(names["suite"])
+    fleet.save(names["fleet"])
+    StagingBlock(root=str(staging_root), keep_snapshots=keep_snapshots).save(names["staging"])
+    SinksBlock(jsonl_path=str(jsonl)).save(names["sinks"])
+    return PointEnv(run, staging_root, jsonl, names)
+
+
+@pytest.fixture
+def point_env(prefect_server: str, cpu_fleet: CpuFleet, tmp_path: Path) -> PointEnv:
+    fleet = FleetBlock(name=f"f{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
+    return save_point_blocks(tmp_path, fleet)
