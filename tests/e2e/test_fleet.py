@@ -1,0 +1,238 @@
+"""Two real CPU engines behind the real sglang-router, launched and pinned by pinned-eval's fleet code.
+
+One fleet serves the whole module (engine start-up dominates); every test pins what it needs first.
+The "lying" engine is a real engine behind a pass-through proxy that, right after forwarding a
+successful `/update_weights_from_disk`, relabels the engine through its own `/update_weight_version`:
+the engine then truly reports another version on `/model_info`, as a stale or misbehaving engine would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from pinned_eval.fleet import (
+    FleetClient,
+    FleetConfig,
+    HealthState,
+    LaunchedFleet,
+    PinViolation,
+    SamplingParams,
+    WeightVersionMismatch,
+    launch_cpu_fleet,
+)
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = FleetConfig(alive_timeout_s=60, poll_interval_s=0.2, router_ready_timeout_s=60, worker_timeout_s=60)
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def snapshots(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from engine.tiny_model import perturb_snapshot
+
+    root = tmp_path_factory.mktemp("snapshots")
+    return {
+        "A": perturb_snapshot(tiny_model_dir, root / "step_3", seed=3),
+        "B": perturb_snapshot(tiny_model_dir, root / "step_6", seed=6),
+    }
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedFleet]:
+    root = tmp_path_factory.mktemp("fleet")
+    launched = launch_cpu_fleet(
+        tiny_model_dir, 2, state_file=root / "fleet.json", weight_version="0", ready_timeout_s=180
+    )
+    try:
+        yield launched
+    finally:
+        launched.stop()
+
+
+async def test_pin_is_read_back_on_every_engine_and_every_response_carries_it(
+    fleet: LaunchedFleet, snapshots: dict[str, Path]
+) -> None:
+    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+        result = await client.pin(snapshots["A"], "3")
+        infos = [await client.probe(u) for u in fleet.engine_urls]
+        outs = [await client.generate(f"{i}+1=", sampling_params=GREEDY, rid=f"p{i}") for i in range(6)]
+    assert result.attempts == 1 and sorted(result.router_workers) == sorted(fleet.engine_urls)
+    assert [(i.weight_version, i.model_path) for i in infos] == [("3", str(snapshots["A"]))] * 2
+    assert [o.meta_info.weight_version for o in outs] == ["3"] * 6
+    assert all(o.finish_type in ("length", "stop") and o.meta_info.completion_tokens >= 1 for o in outs)
+
+
+async def test_bad_path_is_400_and_leaves_the_engines_unhealthy_until_a_good_load(
+    fleet: LaunchedFleet, snapshots: dict[str, Path], tmp_path: Path
+) -> None:
+    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+        await client.pin(snapshots["A"], "3")
+        with pytest.raises(PinViolation) as err:
+            await client.pin(tmp_path / "no-such-snapshot", "4")
+        assert {c.load.status_code for c in err.value.checks} == {400}
+        assert all(c.weight_version == "3" for c in err.value.checks)  # the version moves only on success
+        views = await client.fleet_health()
+        assert all(not v.serving and not v.weights_known and v.loadable for v in views)
+        assert await client.router.list_workers() == []  # unverified engines leave the router
+        with httpx.Client() as http:
+            assert {http.get(f"{u}/health").status_code for u in fleet.engine_urls} == {503}
+        await client.pin(snapshots["A"], "5")
+        assert all(v.serving and v.state is HealthState.UP for v in await client.fleet_health())
+        assert sorted(w.url for w in await client.router.list_workers()) == sorted(fleet.engine_urls)
+        assert (await client.generate("1+1=", sampling_params=GREEDY)).weight_version == "5"
+
+
+def test_unknown_sampling_key_is_400(fleet: LaunchedFleet) -> None:
+    with httpx.Client() as http:
+        resp = http.post(f"{fleet.engine_urls[0]}/generate", json={"text": "1+1=", "sampling_params": {"seed": 7}})
+    assert resp.status_code == 400 and "seed" in resp.text
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams.model_validate({"seed": 7})  # the client refuses it before sending
+
+
+async def test_engine_killed_between_pins_is_revived_and_the_next_pin_succeeds(
+    fleet: LaunchedFleet, snapshots: dict[str, Path]
+) -> None:
+    victim = fleet.engine_urls[1]
+    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+        await client.pin(snapshots["A"], "3")
+        old_pid = fleet.pid_of(victim)
+        os.kill(old_pid, signal.SIGKILL)
+        psutil.Process(old_pid).wait(timeout=10)
+        result = await client.pin(snapshots["B"], "6")
+        infos = [await client.probe(u) for u in fleet.engine_urls]
+        outs = [await client.generate(f"{i}*2=", sampling_params=GREEDY) for i in range(4)]
+    assert result.revived == [victim] and fleet.pid_of(victim) != old_pid
+    assert [(i.weight_version, i.model_path) for i in infos] == [("6", str(snapshots["B"]))] * 2
+    assert sorted(result.router_workers) == sorted(fleet.engine_urls)
+    assert {o.weight_version for o in outs} == {"6"}
+    saved = json.loads(Path(fleet.state_file).read_text())  # another process sees the new PID
+    assert fleet.pid_of(victim) in [e["pid"] for e in saved["engines"]]
+
+
+class RelabelingProxy:
+    """Pass-through HTTP proxy to one engine; after each successful weight load it relabels the engine."""
+
+    def __init__(self, engine_url: str, label: str) -> None:
+        self.loads = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with httpx.Client(timeout=120) as http:
+                    resp = http.request(
+                        method, f"{engine_url}{self.path}", content=body, headers={"Content-Type": "application/json"}
+                    )
+                    if self.path == "/update_weights_from_disk" and resp.status_code == 200:
+                        proxy.loads += 1
+                        relabel = {"new_version": label, "abort_all_requests": False}
+                        http.post(f"{engine_url}/update_weight_version", json=relabel).raise_for_status()
+                self.send_response(resp.status_code)
+                self.send_header("Content-Type", resp.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(resp.content)))
+                self.end_headers()
+                self.wfile.write(resp.content)
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_engine_reporting_another_version_fails_the_pin_after_two_attempts(
+    fleet: LaunchedFleet, snapshots: dict[str, Path]
+) -> None:
+    liar_engine, honest = fleet.engine_urls
+    proxy = RelabelingProxy(liar_engine, "999")
+    try:
+        async with FleetClient([proxy.url, honest], config=CONFIG) as client:
+            with pytest.raises(PinViolation) as err:
+                await client.pin(snapshots["A"], "7")
+    finally:
+        proxy.close()
+    assert err.value.reason == "pin_violation" and err.value.attempts == 2 and proxy.loads == 2
+    bad = [c for c in err.value.checks if not c.ok]
+    assert [(c.url, c.weight_version) for c in bad] == [(proxy.url, "999")]
+    with httpx.Client() as http:  # the engine itself reports the other version
+        assert http.get(f"{liar_engine}/model_info").json()["weight_version"] == "999"
+
+
+async def test_a_response_from_another_version_is_refused(fleet: LaunchedFleet, snapshots: dict[str, Path]) -> None:
+    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+        await client.pin(snapshots["A"], "8")
+        with httpx.Client() as http:  # one engine drifts behind the client's back
+            relabel = {"new_version": "8-drifted", "abort_all_requests": False}
+            http.post(f"{fleet.engine_urls[0]}/update_weight_version", json=relabel).raise_for_status()
+        with pytest.raises(WeightVersionMismatch) as err:
+            for i in range(4):  # round robin reaches the drifted engine within two requests
+                await client.generate(f"{i}+3=", sampling_params=GREEDY)
+    assert err.value.got == "8-drifted" and err.value.expected == "8"
+
+
+def test_fleet_up_and_down_from_separate_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "cli-fleet.json"
+    cli = [sys.executable, "-m", "pinned_eval.cli", "fleet"]
+    up = subprocess.run(
+        [
+            *cli,
+            "up",
+            "--engines",
+            "1",
+            "--model-path",
+            str(tiny_model_dir),
+            "--weight-version",
+            "9",
+            "--state-file",
+            str(state),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    try:
+        assert up.returncode == 0, up.stderr
+        lines = dict(line.split(" ", 1) for line in up.stdout.splitlines())
+        with httpx.Client() as http:
+            assert http.get(f"{lines['engine']}/model_info").json()["weight_version"] == "9"
+            probe = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+            assert http.post(f"{lines['router']}/generate", json=probe).json()["meta_info"]["weight_version"] == "9"
+        pids = [r["pid"] for r in [*json.loads(state.read_text())["engines"], json.loads(state.read_text())["router"]]]
+        again = subprocess.run(
+            [*cli, "up", "--engines", "1", "--model-path", str(tiny_model_dir), "--state-file", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode == 2 and "still running" in again.stderr
+    finally:
+        down = subprocess.run([*cli, "down", "--state-file", str(state)], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert not state.exists()
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
