@@ -47,6 +47,7 @@ from pinned_eval.snapshot.layout import (
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 MAX_HEADER = 100_000_000  # safetensors' own limit
+PREFETCH = 64 << 10  # one ranged read per shard covers the header of any ordinary LLM shard
 
 
 class SnapshotProblem(StrEnum):
@@ -129,18 +130,38 @@ def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
     return _Header(set(hdr), end, export_id if isinstance(export_id, str) else None), end
 
 
-def _read_shard_header(fs: AbstractFileSystem, path: str, fname: str, size: int) -> _Header:
+def _prefetch(fs: AbstractFileSystem, paths: dict[str, str], sizes: dict[str, int]) -> dict[str, bytes]:
+    """The first PREFETCH bytes of every shard in one batch (concurrent ranged GETs on S3)."""
+    names = [n for n in paths if sizes[n] >= 8]
+    if not names:
+        return {}
+    got = fs.cat_ranges([paths[n] for n in names], 0, [min(sizes[n], PREFETCH) for n in names], on_error="return")
+    out = {}
+    for name, data in zip(names, got, strict=True):
+        if isinstance(data, FileNotFoundError):
+            raise _Incomplete(P.MISSING_SHARD, f"{name}: vanished while checking")
+        if isinstance(data, BaseException):
+            raise data  # an I/O error of the store itself, not a verdict on the snapshot
+        out[name] = data
+    return out
+
+
+def _read_shard_header(fs: AbstractFileSystem, path: str, fname: str, size: int, head: bytes) -> _Header:
+    """Validate one shard from its prefetched head (reading the rest of a long header if needed)."""
     if size < 8:
         raise _Incomplete(P.TRUNCATED_SHARD, f"{fname}: {size} bytes, shorter than a header")
-    try:
-        (n,) = struct.unpack("<Q", fs.cat_file(path, start=0, end=8))
-        if n > MAX_HEADER:
-            raise _Incomplete(P.BAD_HEADER, f"{fname}: header length {n} exceeds {MAX_HEADER}")
-        if 8 + n > size:
-            raise _Incomplete(P.TRUNCATED_SHARD, f"{fname}: header of {n} bytes, file {size} bytes")
-        header, end = _parse_header(fname, fs.cat_file(path, start=8, end=8 + n))
-    except FileNotFoundError:
-        raise _Incomplete(P.MISSING_SHARD, f"{fname}: vanished while checking") from None
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER:
+        raise _Incomplete(P.BAD_HEADER, f"{fname}: header length {n} exceeds {MAX_HEADER}")
+    if 8 + n > size:
+        raise _Incomplete(P.TRUNCATED_SHARD, f"{fname}: header of {n} bytes, file {size} bytes")
+    raw = head[8 : 8 + n]
+    if len(raw) < n:
+        try:
+            raw += fs.cat_file(path, start=len(head), end=8 + n)
+        except FileNotFoundError:
+            raise _Incomplete(P.MISSING_SHARD, f"{fname}: vanished while checking") from None
+    header, end = _parse_header(fname, raw)
     expected = 8 + n + end
     if size < expected:
         raise _Incomplete(P.TRUNCATED_SHARD, f"{fname}: size {size} < {expected} from its header")
@@ -181,7 +202,9 @@ def _check(fs: AbstractFileSystem, root: str) -> tuple[int, int]:
         if bad_names:
             raise _Incomplete(P.BAD_INDEX, f"{INDEX}: shard names outside the dir {bad_names[:3]}")
     elif SINGLE_FILE in files:
-        single = _read_shard_header(fs, join(fs, root, SINGLE_FILE), SINGLE_FILE, files[SINGLE_FILE]["size"])
+        path, size = join(fs, root, SINGLE_FILE), files[SINGLE_FILE]["size"]
+        head = _prefetch(fs, {SINGLE_FILE: path}, {SINGLE_FILE: size}).get(SINGLE_FILE, b"")
+        single = _read_shard_header(fs, path, SINGLE_FILE, size, head)
         weight_map = dict.fromkeys(single.names, SINGLE_FILE)
         total_size = single.data_bytes
         headers[SINGLE_FILE] = single
@@ -189,12 +212,17 @@ def _check(fs: AbstractFileSystem, root: str) -> tuple[int, int]:
         raise _Incomplete(P.MISSING_INDEX, f"{INDEX} is missing")
 
     shard_names = sorted(set(weight_map.values()))
+    absent = [f for f in shard_names if f not in files]
+    if absent:
+        raise _Incomplete(P.MISSING_SHARD, f"{absent[0]} is missing" + (f" (and {len(absent) - 1} more)"
+                                                                         if len(absent) > 1 else ""))
+    todo = {f: join(fs, root, f) for f in shard_names if f not in headers}
+    sizes = {f: files[f]["size"] for f in shard_names}
+    heads = _prefetch(fs, todo, sizes)
     data_bytes = 0
     for fname in shard_names:
-        if fname not in files:
-            raise _Incomplete(P.MISSING_SHARD, f"{fname} is missing")
         if fname not in headers:
-            headers[fname] = _read_shard_header(fs, join(fs, root, fname), fname, files[fname]["size"])
+            headers[fname] = _read_shard_header(fs, todo[fname], fname, sizes[fname], heads.get(fname, b""))
         expected = {k for k, v in weight_map.items() if v == fname}
         got = headers[fname].names
         if got != expected:

@@ -244,3 +244,15 @@ def test_random_corruptions_never_crash_or_pass_falsely(template: Path, corrupti
             assert {k: len(v) for k, v in now.items()} == {k: len(v) for k, v in before.items()}, corruptions
             assert now[INDEX] == before[INDEX], corruptions
             assert _loads_like_template(d, template), f"false complete after {corruptions}"
+
+
+def test_header_longer_than_one_prefetch(tmp_path: Path) -> None:
+    from pinned_eval.snapshot.check import PREFETCH
+
+    ts = [(f"model.layers.{i}.some_long_parameter_name.weight", torch.full((2,), float(i))) for i in range(2500)]
+    write_snapshot(ts, str(tmp_path / "s"))
+    shard = tmp_path / "s" / "model-00001-of-00001.safetensors"
+    assert struct.unpack("<Q", shard.read_bytes()[:8])[0] > PREFETCH
+    assert _problem(tmp_path / "s") is None
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert _problem(tmp_path / "s") is P.TRUNCATED_SHARD
