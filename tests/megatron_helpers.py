@@ -72,7 +72,7 @@ def init_process_group(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group(backend="gloo", rank=rank, world_size=world_size)
 
 
-def build_model(spec: FamilySpec, tp: int, seed: int = 1234) -> GPTModel:
+def build_model(spec: FamilySpec, tp: int, seed: int = 1234, vocab: int = MCORE_VOCAB) -> GPTModel:
     """Same seed on every rank: CPU init builds the full master weight and each rank keeps its slice."""
     cfg = TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
@@ -88,7 +88,7 @@ def build_model(spec: FamilySpec, tp: int, seed: int = 1234) -> GPTModel:
     torch.manual_seed(seed)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
     model = GPTModel(
-        config=cfg, transformer_layer_spec=layer_spec, vocab_size=MCORE_VOCAB, max_sequence_length=64,
+        config=cfg, transformer_layer_spec=layer_spec, vocab_size=vocab, max_sequence_length=64,
         pre_process=True, post_process=True, share_embeddings_and_output_weights=spec.tied,
         parallel_output=False, position_embedding_type="rope", rotary_base=10000,
     )
@@ -112,12 +112,12 @@ def forward(model: GPTModel, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, position_ids=pos, attention_mask=mask)
 
 
-def write_hf_base(spec: FamilySpec, dest: Path) -> Path:
+def write_hf_base(spec: FamilySpec, dest: Path, vocab: int = HF_VOCAB) -> Path:
     """An HF base directory (config.json + generation_config.json) matching `spec`; no weights."""
     dest.mkdir(parents=True, exist_ok=True)
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     cfg = {
-        "architectures": [arch[spec.family]], "model_type": spec.family, "vocab_size": HF_VOCAB,
+        "architectures": [arch[spec.family]], "model_type": spec.family, "vocab_size": vocab,
         "hidden_size": spec.hidden, "intermediate_size": spec.ffn, "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads, "num_key_value_heads": spec.groups, "head_dim": spec.head_dim,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
