@@ -73,7 +73,7 @@ def check_cache_support(model: torch.nn.Module) -> str:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    probe = DynamicCache(config=model.config)
+    probe = DynamicCache(config=getattr(model, "config", None))
     if any(type(layer) is not DynamicLayer for layer in probe.layers):
         raise ValueError("model: sliding-window or hybrid attention caches are not supported")
     # transformers 5.24 renamed the forward kwarg/output `past_key_values` to `cache`.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +38,10 @@ class EngineArgs(BaseModel):
     served_model_name: str | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
-    threads: int = Field(1, ge=1)
-    max_batch_size: int = Field(64, ge=1)
-    context_length: int | None = Field(None, ge=2)
-    health_timeout_s: float = Field(20.0, gt=0)
+    threads: int = Field(default=1, ge=1)
+    max_batch_size: int = Field(default=64, ge=1)
+    context_length: int | None = Field(default=None, ge=2)
+    health_timeout_s: float = Field(default=20.0, gt=0)
 
     def cli_args(self) -> list[str]:
         """The `engine serve` flags that reproduce these args."""
@@ -72,9 +73,17 @@ class EngineArgs(BaseModel):
         return argv
 
 
-def engine_command(args: EngineArgs, python: str | None = None) -> list[str]:
-    """argv to start one engine with the given (or the running) interpreter."""
-    return [python or sys.executable, "-m", "pinned_eval.cli", "engine", "serve", *args.cli_args()]
+def engine_command(args: EngineArgs, python: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+    """argv to start one engine with the given (or the running) interpreter; `extra_args` go last."""
+    return [
+        python or sys.executable,
+        "-m",
+        "pinned_eval.cli",
+        "engine",
+        "serve",
+        *args.cli_args(),
+        *extra_args,
+    ]
 
 
 class EngineStartError(RuntimeError):
@@ -137,14 +146,18 @@ class EngineProcess:
 
 
 def spawn_engine(
-    args: EngineArgs, log_path: Path, python: str | None = None, env: dict[str, str] | None = None
+    args: EngineArgs,
+    log_path: Path,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> EngineProcess:
     """Start one engine process in the background (not waiting for readiness)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            engine_command(args, python),
+            engine_command(args, python, extra_args),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -50,19 +50,19 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: int = Field(128, ge=0)
-    min_new_tokens: int = Field(0, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=128, ge=0)
+    min_new_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = ALL_TOKENS
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     stop_regex: list[str] = Field(default_factory=list)
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=64)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -169,7 +169,8 @@ class GenerateRequest(BaseModel):
     def is_batch(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        ids = self.input_ids or []
+        return bool(ids) and isinstance(ids[0], list)
 
     def items(self) -> list[PromptItem]:
         """The prompts in request order, each with its validated sampling params and rid."""

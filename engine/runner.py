@@ -289,7 +289,7 @@ class Runner:
         self._drop_finished()
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample one token for `seq` from its logits row and decide whether it finished."""

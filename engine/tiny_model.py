@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Arch = Literal["llama", "qwen2", "qwen3"]
 
@@ -90,7 +90,7 @@ def _config(
 ):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
