@@ -112,6 +112,9 @@ class _Protocol:
         tp_members = dist.get_process_group_ranks(tp_group) if tp_group is not None else [dist.get_rank()]
         self.needs_gather = self.tp_size > 1 and self.src in tp_members
         self.open = True  # False once END was sent/received or the header check failed
+        # NCCL only reduces CUDA tensors; gloo takes CPU ones.
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def bcast(self, obj: Any = None) -> Any:
         box = [obj]
@@ -119,7 +122,7 @@ class _Protocol:
         return box[0]
 
     def agree(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
