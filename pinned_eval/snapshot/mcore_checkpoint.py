@@ -137,14 +137,15 @@ class TorchDistReader:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for k in self.plain_first:
             yield k, self.read(k)
-        whole = {k: self.read(k) for k in self.stacked if self._spans_layers(k)}
+        whole = {k: self.read(k) for k in self.stacked if self.spans_layers(k)}
         for i in range(self.num_layers):
             for k in self.stacked:
                 yield _layer_name(k, i), (whole[k][i] if k in whole else self.read(k, i))
         for k in self.plain_last:
             yield k, self.read(k)
 
-    def _spans_layers(self, key: str) -> bool:
+    def spans_layers(self, key: str) -> bool:
+        """True when a stored chunk of the stacked `key` covers more than one layer."""
         return any(c.sizes[0] > 1 for c in self.keys[key].chunks)
 
     def _region(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

@@ -167,3 +167,78 @@ def test_offline_export_rejects_wrong_family_before_writing(mcore_run: Path, tmp
         export_megatron_checkpoint(mcore_run / "ckpt-llama", str(mcore_run / "base-llama"),
                                    str(tmp_path / "hf"), family="qwen3")
     assert not (tmp_path / "hf").exists()
+
+
+# ---- edges of the converter and the checkpoint reader (no process group) ----
+
+
+def _base_variant(mcore_run: Path, family: str, dest: Path, **changes: object) -> Path:
+    dest.mkdir()
+    cfg = json.loads((mcore_run / f"base-{family}" / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dest
+
+
+def test_tied_megatron_to_untied_hf_writes_lm_head_copy(mcore_run: Path, tmp_path: Path) -> None:
+    from pinned_eval.snapshot.megatron import export_megatron_checkpoint
+
+    base = _base_variant(mcore_run, "qwen2", tmp_path / "base", tie_word_embeddings=False)
+    export_megatron_checkpoint(mcore_run / "ckpt-qwen2", str(base), str(tmp_path / "hf"))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" in index["weight_map"]
+    _assert_same_logits(tmp_path / "hf", mcore_run / "logits-qwen2-tp2.pt")
+
+
+def test_untied_megatron_to_tied_hf_is_refused(mcore_run: Path, tmp_path: Path) -> None:
+    from pinned_eval.snapshot.megatron import export_megatron_checkpoint
+
+    base = _base_variant(mcore_run, "llama", tmp_path / "base", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        export_megatron_checkpoint(mcore_run / "ckpt-llama", str(base), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_reader_unstacks_chunks_spanning_all_layers_and_skips_non_model_keys(
+    mcore_run: Path, tmp_path: Path
+) -> None:
+    """A torch_dist directory whose stacked keys are stored as one chunk (not one per layer), with
+    optimizer state next to the model, converts to the same model."""
+    import torch.distributed.checkpoint as dcp
+
+    from pinned_eval.snapshot.mcore_checkpoint import TorchDistReader
+    from pinned_eval.snapshot.megatron import export_megatron_checkpoint
+
+    src = TorchDistReader(mcore_run / "ckpt-qwen3")
+    state = {k: src.read(k) for k in src.keys}
+    state["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"] = torch.zeros(3)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    reread = TorchDistReader(tmp_path / "ckpt")
+    assert reread.keys.keys() == src.keys.keys() and reread.num_layers == 2
+    assert all(reread.spans_layers(k) for k in reread.stacked)
+    export_megatron_checkpoint(tmp_path / "ckpt", str(mcore_run / "base-qwen3"), str(tmp_path / "hf"))
+    _assert_same_logits(tmp_path / "hf", mcore_run / "logits-qwen3-tp2.pt")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"hidden_size": None}, "hidden_size"), ({"model_type": "gpt2"}, "model_type"),
+     ({"num_key_value_heads": 3}, "num_key_value_heads"), ({"mlp_bias": True}, "mlp_bias")],
+)
+def test_hf_config_errors_name_the_field(change: dict, field: str) -> None:
+    from pinned_eval.snapshot.mcore_names import DenseLayout
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 150, **change}
+    with pytest.raises(ValueError, match=field):
+        DenseLayout.from_hf_config(cfg)
+
+
+def test_unmapped_megatron_tensor_is_an_error() -> None:
+    from pinned_eval.snapshot.mcore_names import DenseLayout, MegatronToHf, UnmappedTensor
+
+    layout = DenseLayout.from_hf_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 150})
+    conv = MegatronToHf(layout, source_tied=False)
+    with pytest.raises(UnmappedTensor, match=r"linear_fc1\.layer_norm_bias"):
+        conv.convert("module.module.decoder.layers.0.mlp.linear_fc1.layer_norm_bias", torch.zeros(64))
+    assert conv.convert("decoder.layers.0.self_attention.core_attention._extra_state", torch.zeros(1)) == []
