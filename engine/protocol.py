@@ -62,7 +62,7 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     stop_regex: list[str] = Field(default_factory=list)
-    n: int = Field(default=1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=1024)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

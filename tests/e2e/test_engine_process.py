@@ -119,6 +119,31 @@ def test_load_waits_for_in_flight_requests(
     assert http.get("/model_info").json()["weight_version"] == "6"
 
 
+def test_client_disconnect_aborts_the_request(http: httpx.Client, engine: EngineProcess) -> None:
+    before = http.get("/server_info").json()["internal_states"][0]["requests_aborted"]
+
+    def impatient() -> None:
+        with (
+            httpx.Client(base_url=engine.url, timeout=httpx.Timeout(10, read=3)) as client,
+            pytest.raises(httpx.ReadTimeout),
+        ):
+            client.post("/generate", json={"input_ids": [1, 5], "sampling_params": LONG})
+
+    with ThreadPoolExecutor(1) as pool:
+        gone = pool.submit(impatient)
+        wait_running(http, 1)
+        http.post("/pause_generation", json={"mode": "in_place"})  # it can no longer finish by itself
+        try:
+            gone.result(timeout=60)
+            deadline = time.monotonic() + 30
+            while http.get("/get_load").json()[0]["num_reqs"]:
+                assert time.monotonic() < deadline, "the engine kept the abandoned request"
+                time.sleep(0.05)
+        finally:
+            http.post("/continue_generation", json={})
+    assert http.get("/server_info").json()["internal_states"][0]["requests_aborted"] == before + 1
+
+
 def test_concurrent_requests_are_batched(http: httpx.Client) -> None:
     before = http.get("/server_info").json()["internal_states"][0]
     body = {"input_ids": [1, 7, 8], "sampling_params": {**LONG, "max_new_tokens": 64}}
