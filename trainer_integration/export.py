@@ -146,12 +146,13 @@ class _Protocol:
         raise CollectiveExportError("ranks disagree on the tensors to export: "
                                     + "; ".join(r for r in reports if r))
 
-    def gather(self, x: _Local, merge: Merge) -> torch.Tensor:
+    def gather(self, x: _Local, merge: Merge | None) -> torch.Tensor:
+        """All-gather `x` in the TP group; merge the shards where `merge` is given (rank 0)."""
         if not (x.tp and self.needs_gather):
             return x.tensor
         parts = [torch.empty_like(x.tensor) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.tensor.contiguous(), group=self.tp_group)
-        return merge(x.name, parts, x.dim, x.stride)
+        return merge(x.name, parts, x.dim, x.stride) if merge is not None else parts[0]
 
     def buckets(self, mine: list[_Local], bucket_bytes: int) -> list[list[_Local]]:
         out: list[list[_Local]] = []
@@ -183,7 +184,7 @@ def _rank0_stream(p: _Protocol, mine: list[_Local], converter: Converter, merge:
         del full
 
 
-def _follow(p: _Protocol, mine: list[_Local], merge: Merge) -> None:
+def _follow(p: _Protocol, mine: list[_Local]) -> None:
     pos = 0
     while True:
         msg = p.bcast()
@@ -191,7 +192,7 @@ def _follow(p: _Protocol, mine: list[_Local], merge: Merge) -> None:
             p.open = False
             return
         for x in mine[pos: pos + int(msg)]:
-            p.gather(x, merge)
+            p.gather(x, None)
         pos += int(msg)
 
 
@@ -238,7 +239,7 @@ def collective_export(
                                     base_hf_dir=base_hf_dir, storage_options=storage_options,
                                     metadata=metadata, **kwargs)
         else:
-            _follow(p, mine, merge)
+            _follow(p, mine)
     except BaseException as exc:
         error = exc
         raise
