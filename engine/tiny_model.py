@@ -8,7 +8,9 @@ Contract:
   specials `<pad>`=0, `<s>`=1, `</s>`=2 and a chat template. Nothing is downloaded.
 - The same (arch, seed, sizes) always gives the same tokenizer and the same weights.
 - `tokenizer_config.json` names `PreTrainedTokenizerFast` (no `backend` key) so transformers 4.x
-  readers load it too. Every file is mode 0644 (safetensors writes 0600).
+  readers load it too. Every file is mode 0644 (safetensors writes 0600). Caveat: for `qwen2`,
+  transformers 5.x's AutoTokenizer picks `Qwen2Tokenizer` by model type, which splits digits its
+  own way; the engine and the scorers both use AutoTokenizer, so they agree with each other.
 - `perturb_snapshot(src, dst, seed)` writes a snapshot with the same file layout, tensor names,
   shapes and dtypes as `src` but different values (a "later training step"); non-weight files
   are copied as they are.
