@@ -1,0 +1,77 @@
+"""A deployed `eval-point` with a real process worker, on the session's Prefect server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
+from prefect.client.schemas.objects import FlowRun
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Deployed:
+    api_url: str
+    worker_pid: int
+    deployment_id: str
+
+
+def prefect_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+@pytest.fixture(scope="session")
+def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PINNED_EVAL_PROJECT_DIR=str(REPO))
+    pool = prefect_cli("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite", env=env)
+    assert pool.returncode == 0, pool.stdout + pool.stderr
+    dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
+    assert dep.returncode == 0, dep.stdout + dep.stderr
+    log = open(tmp_path_factory.mktemp("worker") / "worker.log", "w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process"],
+        cwd=REPO,
+        env=dict(env, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    with get_client(sync_client=True) as c:
+        [d] = c.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["eval-point"])))
+    try:
+        yield Deployed(prefect_server, worker.pid, str(d.id))
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+        log.close()
+
+
+def runs_of_deployment(deployment_id: str, run: str) -> list[FlowRun]:
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id={"any_": [deployment_id]}))
+    return [r for r in runs if r.parameters.get("run") == run]
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
