@@ -7,6 +7,9 @@ import socket
 
 import pytest
 
+# fixture modules shared by test folders (registered here, not imported into test modules)
+pytest_plugins = ["tests.pointkit", "tests.deploykit"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -39,7 +39,7 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     assert pool.returncode == 0, pool.stdout + pool.stderr
     dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert dep.returncode == 0, dep.stdout + dep.stderr
-    log = open(tmp_path_factory.mktemp("worker") / "worker.log", "w")
+    log = open(tmp_path_factory.mktemp("worker") / "worker.log", "w")  # noqa: SIM115 - closed at teardown
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process"],
         cwd=REPO,

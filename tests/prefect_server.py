@@ -53,7 +53,7 @@ def running_prefect_server(home: Path, *, timeout_s: float = 90.0) -> Iterator[s
 
     port = free_port()
     env = server_env(home, port)
-    log = open(home / "server.log", "w")
+    log = open(home / "server.log", "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=env,

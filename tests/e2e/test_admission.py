@@ -24,9 +24,8 @@ def test_skip_policy_skips_busy_when_full_and_final_waits(prefect_server: str) -
     run = "adm-skip"
     with admitted(run, 1, policy="skip", final=False, max_in_flight=1):
         assert active_slots(inflight_limit_name(run)) == 1
-        with pytest.raises(EvalSkipped) as info:
-            with admitted(run, 2, policy="skip", final=False, max_in_flight=1):
-                pytest.fail("admitted past a full limit")
+        with pytest.raises(EvalSkipped) as info, admitted(run, 2, policy="skip", final=False, max_in_flight=1):
+            pytest.fail("admitted past a full limit")
         assert info.value.reason == SkipReason.BUSY
 
         # the final point waits instead of skipping: release the slot from another thread later

@@ -14,8 +14,8 @@ from blocks import StagingBlock
 from pinned_eval.events import BlockNames, point_event, post_events
 from pinned_eval.points import PointRequest, SnapshotSource
 from pinned_eval.sinks import JsonlSink
-from tests.deploykit import Deployed, deployed, runs_of_deployment, wait_for  # noqa: F401 - fixtures
-from tests.pointkit import PointEnv, cpu_fleet, point_env, tiny_model, write_step_snapshot  # noqa: F401
+from tests.deploykit import Deployed, runs_of_deployment, wait_for
+from tests.pointkit import PointEnv, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 

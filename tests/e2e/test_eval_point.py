@@ -18,15 +18,7 @@ from pinned_eval.points import history_artifact_key
 from pinned_eval.sinks import JsonlSink
 from tasks.admission import admitted
 from tests.conftest import free_port
-from tests.pointkit import (  # noqa: F401 - fixtures
-    SMALL_SUITE,
-    PointEnv,
-    cpu_fleet,
-    point_env,
-    save_point_blocks,
-    tiny_model,
-    write_step_snapshot,
-)
+from tests.pointkit import SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +59,7 @@ def test_measured_point_pins_exactly_its_step(point_env: PointEnv, tiny_model: P
 
 def test_busy_under_skip_policy_is_a_skipped_point(point_env: PointEnv) -> None:
     with admitted(point_env.run, 1, policy="skip", final=False, max_in_flight=1):
-        state, fr = run_point(
+        state, _ = run_point(
             point_env, 2, source={"kind": "hf", "path": "/nonexistent"}, policy="skip", max_in_flight=1
         )
     assert state.is_completed() and state.name == "Skipped"
@@ -91,7 +83,7 @@ def test_final_point_waits_instead_of_skipping(point_env: PointEnv, tiny_model: 
     state, _ = run_point(point_env, 5, source=source, policy="skip", max_in_flight=1, final=True)
     t.join(20)
     assert state.name == "Completed", state.message
-    [r.state for r in JsonlSink(point_env.jsonl).read(point_env.run)] == ["measured", "measured"]
+    assert [r.state for r in JsonlSink(point_env.jsonl).read(point_env.run)] == ["measured", "measured"]
 
 
 def test_backpressure_waits_then_measures(point_env: PointEnv, tiny_model: Path) -> None:
@@ -153,7 +145,7 @@ def test_reward_that_raises_fails_the_run_and_records_crashed(
     fleet = FleetBlock(name="crash", mode="launch", state_file=str(cpu_fleet.state_file))
     env = save_point_blocks(tmp_path, fleet, suite=suite, keep_snapshots=0)
     src = staged(env, 11, tiny_model)
-    state, fr = run_point(env, 11, source=src)
+    state, _ = run_point(env, 11, source=src)
     assert state.is_failed()
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert row.state == "failed" and row.metrics["eval/skipped_crashed"] == 1
