@@ -50,13 +50,23 @@ class RouterAPI:
         return [RouterWorker.model_validate(w) for w in body["workers"]]
 
     async def add_worker(self, url: str, *, timeout_s: float = 60.0) -> RouterWorker:
-        """Register `url` and wait until the router lists it as healthy."""
+        """Register `url` and wait until the router lists it as healthy.
+
+        A URL already listed is not posted again: the router would queue a job that could re-create
+        the worker after a later DELETE.
+        """
         url = normalize_url(url)
+        listed = [w for w in await self.list_workers() if w.url == url]
+        if listed:
+            return await self._wait_healthy(url, timeout_s)
         resp = await self._http.post(
             f"{self.url}/workers", json={"url": url}, headers=self._headers, timeout=self.call_timeout_s
         )
         if resp.status_code not in (200, 201, 202):
             raise EngineHTTPError(self.url, resp.status_code, resp.text)
+        return await self._wait_healthy(url, timeout_s)
+
+    async def _wait_healthy(self, url: str, timeout_s: float) -> RouterWorker:
         deadline = time.monotonic() + timeout_s
         while True:
             listed = [w for w in await self.list_workers() if w.url == url]
@@ -92,7 +102,7 @@ class RouterAPI:
         current = {w.url for w in await self.list_workers()}
         for stray in sorted(current - set(wanted)):
             await self.remove_worker(stray, timeout_s=timeout_s)
-        await asyncio.gather(*(self.add_worker(u, timeout_s=timeout_s) for u in wanted))
+        await asyncio.gather(*(self.add_worker(u, timeout_s=timeout_s) for u in wanted))  # listed ones: a wait
         return sorted(w.url for w in await self.list_workers())
 
     async def wait_ready(self, *, timeout_s: float = 180.0, retry_interval_s: float = 1.0) -> None:

@@ -236,3 +236,22 @@ def test_fleet_up_and_down_from_separate_processes(tiny_model_dir: Path, tmp_pat
     assert down.returncode == 0, down.stderr
     assert not state.exists()
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+async def test_router_membership_add_and_remove(fleet: LaunchedFleet, snapshots: dict[str, Path]) -> None:
+    from pinned_eval.fleet import RouterError
+    from tests.conftest import free_port
+
+    first, second = fleet.engine_urls
+    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+        await client.pin(snapshots["A"], "10")
+        router = client.router
+        assert await router.remove_worker(second) is True
+        assert [w.url for w in await router.list_workers()] == [first]
+        assert await router.remove_worker(second) is False  # not a member any more
+        assert (await client.generate("2+2=", sampling_params=GREEDY)).weight_version == "10"
+        added = await router.add_worker(second)
+        assert added.url == second and added.is_healthy
+        with pytest.raises(RouterError, match="not listed"):
+            await router.add_worker(f"http://127.0.0.1:{free_port()}", timeout_s=1.5)
+        assert sorted(w.url for w in await router.list_workers()) == sorted(fleet.engine_urls)
