@@ -56,7 +56,7 @@ def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(
     assert done.state.is_crashed()
     # retired = entered the keep-ring (keep_snapshots=2 keeps it on disk for a rerun)
     wait_for(lambda: (Path(dest) / ".retired").exists(), 60, "the on_crashed hook to retire the snapshot")
-    [row] = JsonlSink(point_env.jsonl).read(point_env.run)
+    [row] = wait_for(lambda: JsonlSink(point_env.jsonl).read(point_env.run), 30, "the hook's skipped_crashed row")
     assert row.step == 22 and row.metrics["eval/skipped_crashed"] == 1
 
 
