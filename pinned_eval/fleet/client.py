@@ -79,6 +79,7 @@ class FleetConfig(BaseModel):
     max_concurrency: int = Field(default=32, ge=1, description="Most /generate requests in flight.")
     request_timeout_s: float = Field(default=600.0, gt=0, description="One /generate request.")
     abort_retries: int = Field(default=3, ge=0, description="Retries of a request that came back aborted.")
+    unavailable_retries: int = Field(default=5, ge=0, description="Retries of a router 503 (no healthy worker).")
     api_key: str | None = Field(default=None, repr=False, description="Data-plane bearer token.")
     admin_api_key: str | None = Field(default=None, repr=False, description="Control-plane bearer token.")
 
@@ -135,6 +136,7 @@ class FleetClient:
                 api_key=self.config.api_key,
                 max_concurrency=self.config.max_concurrency,
                 abort_retries=self.config.abort_retries,
+                unavailable_retries=self.config.unavailable_retries,
             )
             if router_url is not None
             else None

@@ -4,6 +4,7 @@ Contract:
 - Bodies are built by `build_generate_body` only: exactly one of `text` (one string; the router
   422s on a text batch) or `input_ids` (flat ids), `sampling_params` from `SamplingParams`
   (SGLang names, `sampling_seed` for the seed), optional `rid`.
+- A router 503 (no healthy worker during a health-check cycle) is retried with backoff, boundedly.
 - A response whose `finish_reason.type == "abort"` (e.g. a weight load aborted it) is sent again,
   with a fresh rid, at most `abort_retries` times, then `GenerationAborted`; it is never returned.
 - A returned result always carries `meta_info.weight_version == expected` and no span of another
@@ -67,36 +68,45 @@ class RouterGenerator:
         api_key: str | None = None,
         max_concurrency: int = 32,
         abort_retries: int = 3,
+        unavailable_retries: int = 5,
     ) -> None:
         self._http = http
         self.url = normalize_url(router_url)
         self._headers = bearer(api_key)
         self._sem = asyncio.Semaphore(max_concurrency)
         self.abort_retries = abort_retries
+        self.unavailable_retries = unavailable_retries
 
     async def generate(self, body: dict[str, Any], expected_version: str) -> GenerateResult:
         body = dict(body)
         rid = body.get("rid")
-        last_abort = ""
+        sent, aborts, unavailable, last_abort = 0, 0, 0, ""
         async with self._sem:
-            for attempt in range(1, self.abort_retries + 2):
-                if rid is not None and attempt > 1:
-                    body["rid"] = f"{rid}.retry{attempt - 1}"  # a fresh id: the aborted one may linger
+            while True:
+                if rid is not None and sent:
+                    body["rid"] = f"{rid}.retry{sent}"  # a fresh id: the aborted one may linger
+                sent += 1
                 try:
                     resp = await self._http.post(f"{self.url}/generate", json=body, headers=self._headers)
                 except httpx.TransportError as exc:
                     raise FleetError(f"router {self.url} unreachable: {exc!r}") from exc
+                if resp.status_code == 503 and unavailable < self.unavailable_retries:
+                    unavailable += 1  # no healthy worker right now (health-check cycle): back off, ask again
+                    await asyncio.sleep(min(0.5 * 2 ** (unavailable - 1), 4.0))
+                    continue
                 if resp.status_code != 200:
                     raise GenerateRejected(self.url, resp.status_code, resp.text)
                 payload = resp.json()
                 if not isinstance(payload, dict):
                     raise GenerateRejected(self.url, 200, f"expected one result object: {resp.text[:300]}")
-                result = GenerateResult.model_validate({**payload, "attempts": attempt})
+                result = GenerateResult.model_validate({**payload, "attempts": sent})
                 if result.finish_type == "abort":
                     reason = result.meta_info.finish_reason
                     last_abort = (reason.message or "") if reason else ""
-                    await asyncio.sleep(min(0.1 * attempt, 1.0))
+                    aborts += 1
+                    if aborts > self.abort_retries:
+                        raise GenerationAborted(rid, aborts, last_abort)
+                    await asyncio.sleep(min(0.1 * aborts, 1.0))
                     continue
                 check_version(result, expected_version)
                 return result
-        raise GenerationAborted(rid, self.abort_retries + 1, last_abort)

@@ -285,6 +285,17 @@ async def test_aborted_responses_are_retried_with_fresh_rids(serve: list[ServedF
     assert [b["rid"] for b in router.fake.calls("POST", "/generate")] == ["q", "q.retry1", "q.retry2"]
 
 
+async def test_router_without_healthy_workers_is_asked_again_boundedly(serve: list[ServedFake]) -> None:
+    router = start(serve, weight_version="5", unavailable_first=1)
+    async with FleetClient([router.url], router.url, config=FAST) as client:
+        assert (await client.generate("x", expected_version="5")).attempts == 2
+        router.fake.unavailable_first = 100
+        client._generator.unavailable_retries = 0  # type: ignore[union-attr]
+        with pytest.raises(GenerateRejected) as err:
+            await client.generate("x", expected_version="5")
+    assert err.value.status_code == 503
+
+
 async def test_aborts_past_the_bound_raise(serve: list[ServedFake]) -> None:
     router = start(serve, weight_version="5", abort_first=100)
     async with FleetClient([router.url], router.url, config=FAST.model_copy(update={"abort_retries": 2})) as c:

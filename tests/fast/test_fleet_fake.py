@@ -32,6 +32,7 @@ class FakeEngine:
     fail_loads: bool = False
     refuse_unknown_weights: bool = False  # like the bundled CPU engine: /health 503 after a failed load
     abort_first: int = 0  # abort this many /generate requests first
+    unavailable_first: int = 0  # answer 503 (router: no healthy worker) to this many /generate requests first
     generate_version: str | None = None  # answer with this version instead of the live one
     spans: list[dict[str, Any]] | None = None
     generate_delay_s: float = 0.0
@@ -110,6 +111,9 @@ class FakeEngine:
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        if self.unavailable_first > 0:
+            self.unavailable_first -= 1
+            return 503, {"error": {"type": "Service Unavailable", "code": "no_available_workers"}}
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
