@@ -97,12 +97,8 @@ def router_spec(
     port = port or free_port()
     cmd = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    cmd += [
-        "--health-check-interval-secs",
-        str(health_check_interval_s),
-        "--worker-startup-check-interval",
-        "1",
-    ]
+    cmd += ["--health-check-interval-secs", str(health_check_interval_s), "--worker-startup-check-interval", "1"]
+    cmd += ["--health-check-timeout-secs", "30"]  # SGLang's /health generates a token: slow under load
     cmd += ["--log-level", "warn"]
     if api_key:
         cmd += ["--api-key", api_key]

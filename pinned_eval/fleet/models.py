@@ -28,8 +28,15 @@ def normalize_url(url: str) -> str:
 
 
 def normalize_path(path: str | os.PathLike[str]) -> str:
-    """A model path in the form the engines are asked to load and are compared against."""
-    return os.path.normpath(os.fspath(path))
+    """A model path in the form the engines are asked to load and are compared against.
+
+    Local paths become absolute and normalised (an engine resolves a relative path against its own
+    working directory); URIs such as `s3://bucket/key` are left as they are.
+    """
+    text = os.fspath(path)
+    if "://" in text:
+        return text.rstrip("/")
+    return os.path.normpath(os.path.abspath(text))
 
 
 class SamplingParams(BaseModel):

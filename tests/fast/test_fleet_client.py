@@ -358,3 +358,12 @@ def test_generate_body_is_one_prompt_exactly() -> None:
         build_generate_body(["a", "b"])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="flat list"):
         build_generate_body(input_ids=[[1], [2]])  # type: ignore[list-item]
+
+
+def test_model_paths_are_compared_in_one_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pinned_eval.fleet.models import normalize_path, normalize_url
+
+    monkeypatch.chdir(tmp_path)
+    assert normalize_path("snap/./step_5/") == str(tmp_path / "snap" / "step_5")
+    assert normalize_path("s3://bucket/run/step_5/") == "s3://bucket/run/step_5"
+    assert normalize_url("127.0.0.1:30000/") == "http://127.0.0.1:30000"
