@@ -86,6 +86,7 @@ def eval_point(
     """Measure the weights of `run` at `step` (weight version `str(step)`) on the eval suite."""
     _validate(run, step, source, posture)
     started = time.monotonic()
+    _tag_flow_run(run, step)
     cfg = PointConfig.load(suite, fleet, staging, sinks)
     store = cfg.staging.staging()
     version = str(step)
@@ -121,6 +122,16 @@ def eval_point(
     finally:
         if snapshot is not None:
             retire_snapshot(snapshot, store)
+
+
+def _tag_flow_run(run: str, step: int) -> None:
+    """Tag this run `run:<run>`, `step:<step>` (triggered runs start with the deployment's tags only)."""
+    from prefect import get_client
+    from prefect.runtime import flow_run as current
+
+    with get_client(sync_client=True) as client:
+        tags = sorted({*current.tags, f"run:{run}", f"step:{step}"})
+        client.update_flow_run(current.id, tags=tags)
 
 
 def _validate(run: str, step: int, source: SnapshotSource | None, posture: Posture) -> None:

@@ -41,6 +41,7 @@ def test_measured_point_pins_exactly_its_step(point_env: PointEnv, tiny_model: P
     state, fr = run_point(point_env, 7, source=staged(point_env, 7, tiny_model))
     assert state.is_completed() and state.name == "Completed", state.message
     assert fr.name == f"{point_env.run}/step-7"
+    assert {f"run:{point_env.run}", "step:7"} <= set(fr.tags)
     rows = JsonlSink(point_env.jsonl).read(point_env.run)
     assert {r.dataset for r in rows} == {"arith_add", "arith_sub"}
     for r in rows:
