@@ -16,7 +16,13 @@ from pinned_eval.fleet.errors import (
     RouterError,
     WeightVersionMismatch,
 )
-from pinned_eval.fleet.launcher import LaunchedFleet, default_state_file, launch_cpu_fleet, launch_fleet
+from pinned_eval.fleet.launcher import (
+    LaunchedFleet,
+    default_state_file,
+    launch_cpu_fleet,
+    launch_fleet,
+    launch_sglang_fleet,
+)
 from pinned_eval.fleet.models import (
     EngineHealth,
     EngineInfo,
@@ -26,6 +32,7 @@ from pinned_eval.fleet.models import (
     SamplingParams,
 )
 from pinned_eval.fleet.process import LaunchError
+from pinned_eval.fleet.sglang_args import SGLangFleetSpec
 
 __all__ = [
     "EngineHTTPError",
@@ -46,9 +53,11 @@ __all__ = [
     "PinViolation",
     "Reviver",
     "RouterError",
+    "SGLangFleetSpec",
     "SamplingParams",
     "WeightVersionMismatch",
     "default_state_file",
     "launch_cpu_fleet",
     "launch_fleet",
+    "launch_sglang_fleet",
 ]
