@@ -183,7 +183,7 @@ async def test_dead_engine_not_launched_by_us_is_an_unhealthy_fleet(serve: list[
 
 
 async def test_engine_is_busy_not_dead_while_its_load_runs(serve: list[ServedFake], snapshot: Path) -> None:
-    a = start(serve, load_delay_s=1.0)
+    a = start(serve, load_delay_s=2.0)
     async with FleetClient([a.url], config=FAST) as client:
         pin = asyncio.create_task(client.pin(snapshot, "5"))
         while not a.fake.calls("POST", "/update_weights_from_disk"):
@@ -322,7 +322,7 @@ async def test_another_weight_version_in_a_response_raises(
 
 
 async def test_request_concurrency_is_bounded_per_fleet(serve: list[ServedFake]) -> None:
-    router = start(serve, weight_version="5", generate_delay_s=0.3)
+    router = start(serve, weight_version="5", generate_delay_s=0.5)
     for limit, bounded in ((3, True), (8, False)):
         router.fake.max_in_flight = 0
         config = FAST.model_copy(update={"max_concurrency": limit})
