@@ -1,0 +1,321 @@
+"""Reference external backend: one SGLang-protocol server, attached by URL or launched by us.
+
+`SGLangCheckpointEval(**options)` (options = `SGLangBackendConfig` fields; with no options they
+come from `PINNED_EVAL_EXTERNAL_*` variables, like miles' `MILES_EXTERNAL_EVAL_*`):
+- `url=...` attaches to a running server; `launch="sglang"` starts
+  `python -m sglang.launch_server` on `gpus` (CUDA_VISIBLE_DEVICES = those ids, TP = their count,
+  command built by the fleet's `sglang_args`, raw `extra_args` appended last); `launch="cpu"`
+  starts the bundled CPU engine. Launch happens in the constructor; the health wait is deferred to
+  the first eval (miles: server load never blocks the caller).
+- `evaluate_checkpoint`: wait `GET /health_generate` (an attached server that never answers →
+  `EvalSkip("unhealthy")`; a launched one that exits → `LaunchError`, a crash), then pin: load
+  `update_weights_from_disk` with `weight_version`, read back `/model_info`; accept only
+  `weight_version == str(step)` and `model_path == checkpoint_dir`; 2 attempts, then
+  `EvalSkip("pin_violation")`. Then generate every dataset (n samples per prompt, deterministic
+  `sampling_seed`, abort finishes retried) and score with the suite's rewards. A response from
+  other weights → `pin_violation`; a server that stops serving → `unhealthy`.
+- `dispose()` stops the process group it launched (by recorded PID and start time), never an
+  attached server. Idempotent.
+`history` records every pin attempt and generate count, for logs and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pinned_eval.fleet.engine_api import EngineAPI
+from pinned_eval.fleet.errors import (
+    FleetError,
+    GenerateRejected,
+    GenerationAborted,
+    WeightVersionMismatch,
+)
+from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
+from pinned_eval.fleet.launcher import cpu_engine_specs
+from pinned_eval.fleet.models import EngineInfo, normalize_path, normalize_url
+from pinned_eval.fleet.process import (
+    LaunchError,
+    ProcessRecord,
+    ProcessSpec,
+    free_port,
+    is_running,
+    log_tail,
+    start_process,
+    stop_process,
+)
+from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
+from pinned_eval.scoring.metrics import ScoredSample
+from pinned_eval.scoring.rewards import get_reward
+from pinned_eval.settings import Settings
+from pinned_eval.skips import SkipReason
+from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
+from trainer_integration.external import (
+    CheckpointEvalFn,
+    DatasetResult,
+    EvalInput,
+    EvalResults,
+    EvalSkip,
+)
+
+ENV_PREFIX = "PINNED_EVAL_EXTERNAL_"
+
+
+class SGLangBackendConfig(BaseModel):
+    """Options of the reference backend: attach (`url`) or launch (`launch` + `model_path`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str | None = Field(default=None, description="Attach to this server (SGLang native API).")
+    launch: Literal["sglang", "cpu"] | None = Field(default=None, description="Launch our own server.")
+    model_path: str | None = Field(default=None, description="Checkpoint a launched server boots from.")
+    gpus: list[int] | None = Field(default=None, description="GPU ids of a launched SGLang server; TP = count.")
+    port: int | None = Field(default=None, gt=0, lt=65536, description="Launch port; default a free one.")
+    server_args: dict[str, Any] = Field(default_factory=dict, description="SGLang ServerArgs fields.")
+    extra_args: list[str] = Field(default_factory=list, description="Raw server flags, appended last.")
+    api_key: str | None = Field(default=None, repr=False)
+    admin_api_key: str | None = Field(default=None, repr=False)
+    python: str = Field(default=sys.executable, description="Interpreter of a launched server.")
+    log_dir: str | None = Field(default=None, description="Launched server logs; default <home>/external.")
+    ready_timeout_s: float = Field(default=1800.0, gt=0, description="Wait for /health_generate.")
+    load_timeout_s: float = Field(default=600.0, gt=0, description="One weight load.")
+    pin_attempts: int = Field(default=2, ge=1)
+    max_concurrency: int = Field(default=32, ge=1, description="Most /generate requests in flight.")
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    abort_retries: int = Field(default=3, ge=0)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _parse_gpus(cls, v: Any) -> Any:
+        return [int(g) for g in v.split(",") if g.strip()] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> SGLangBackendConfig:
+        if (self.url is None) == (self.launch is None):
+            raise ValueError("url / launch: give exactly one (attach to a server, or launch one)")
+        if self.launch is not None and not self.model_path:
+            raise ValueError("model_path: a launched server needs a checkpoint to boot from")
+        if self.launch == "sglang" and not self.gpus:
+            raise ValueError("gpus: launch='sglang' needs GPU ids, e.g. [6, 7]")
+        if self.launch != "sglang" and self.gpus:
+            raise ValueError("gpus: only used with launch='sglang'")
+        return self
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> SGLangBackendConfig:
+        """`PINNED_EVAL_EXTERNAL_{URL,GPUS,PORT,MODEL_PATH,SERVER_ARGS}`; GPUS alone means launch sglang."""
+        env = os.environ if environ is None else environ
+        get = lambda name: env.get(ENV_PREFIX + name) or None  # noqa: E731
+        url, gpus = get("URL"), get("GPUS")
+        values: dict[str, Any] = {"url": url}
+        if url is None:
+            values.update(launch=get("LAUNCH") or ("sglang" if gpus else None), gpus=gpus)
+            values.update(model_path=get("MODEL_PATH"), port=get("PORT"))
+        values["extra_args"] = shlex.split(get("SERVER_ARGS") or "")
+        return cls.model_validate({k: v for k, v in values.items() if v is not None})
+
+
+def sglang_launch_spec(config: SGLangBackendConfig, port: int) -> ProcessSpec:
+    """The real SGLang server command + env of a `launch="sglang"` config (fleet code, one engine)."""
+    if config.launch != "sglang" or not config.gpus or not config.model_path:
+        raise ValueError("launch: sglang_launch_spec needs launch='sglang' with gpus and model_path")
+    spec = SGLangFleetSpec(
+        model_path=normalize_path(config.model_path),
+        num_gpus=len(config.gpus),
+        gpus_per_engine=len(config.gpus),
+        gpu_ids=config.gpus,
+        base_args=config.server_args,
+        python=config.python,
+    )
+    [engine] = sglang_engine_specs(spec, [port])
+    return engine.model_copy(update={"command": [*engine.command, *config.extra_args]})
+
+
+def launch_spec(config: SGLangBackendConfig) -> ProcessSpec:
+    """What a launching config starts: real SGLang on GPUs, or the bundled CPU engine."""
+    if config.launch == "sglang":
+        return sglang_launch_spec(config, config.port or free_port())
+    assert config.model_path is not None  # validated
+    [spec] = cpu_engine_specs(
+        normalize_path(config.model_path), 1, api_key=config.api_key, admin_api_key=config.admin_api_key,
+        python=config.python,
+    )  # fmt: skip
+    if config.port is not None:
+        command = list(spec.command)
+        command[command.index("--port") + 1] = str(config.port)
+        spec = spec.model_copy(update={"command": command, "port": config.port})
+    return spec.model_copy(update={"command": [*spec.command, *config.extra_args]})
+
+
+@dataclass
+class PinAttempt:
+    attempt: int
+    load_ok: bool
+    weight_version: str | None
+    model_path: str | None
+    problem: str
+
+
+@dataclass
+class BackendHistory:
+    """What this backend did: pin attempts (in order) and /generate results per point."""
+
+    pins: list[PinAttempt] = field(default_factory=list)
+    generated: int = 0
+
+
+class SGLangCheckpointEval(CheckpointEvalFn):
+    """The reference `CheckpointEvalFn` (see the module docstring)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.config = SGLangBackendConfig(**options) if options else SGLangBackendConfig.from_env()
+        self.history = BackendHistory()
+        self._process: ProcessRecord | None = None
+        self._healthy = False
+        if self.config.url is not None:
+            self.url = normalize_url(self.config.url)
+            return
+        spec = launch_spec(self.config)
+        log_dir = Path(self.config.log_dir) if self.config.log_dir else Settings().home / "external"
+        self._process, _ = start_process(spec, log_dir / f"external-{spec.port}.log")
+        self.url = spec.url
+
+    @property
+    def launched(self) -> ProcessRecord | None:
+        """The process this backend started (None when attached)."""
+        return self._process
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
+        timeout = httpx.Timeout(self.config.request_timeout_s, connect=30.0)
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            await self._wait_healthy(http)
+            await self._pin(http, checkpoint_dir, input.weight_version)
+            data = await self._generate_all(http, input)
+        return EvalResults(data=data)
+
+    def dispose(self) -> None:
+        if self._process is not None:
+            stop_process(self._process)
+            self._process = None
+
+    # ---- health and pin ----------------------------------------------------------------
+
+    async def _wait_healthy(self, http: httpx.AsyncClient) -> None:
+        if self._healthy:
+            return
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        last = "no answer yet"
+        while True:
+            if self._process is not None and not is_running(self._process):
+                raise LaunchError(
+                    f"launched server {self.url} exited; log {self._process.log_path}:\n"
+                    f"{log_tail(self._process.log_path)}"
+                )
+            try:
+                resp = await http.get(f"{self.url}/health_generate", timeout=30.0)
+                if resp.status_code == 200:
+                    self._healthy = True
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            if time.monotonic() >= deadline:
+                raise EvalSkip(
+                    SkipReason.UNHEALTHY, f"{self.url} not healthy after {self.config.ready_timeout_s}s: {last}"
+                )
+            await asyncio.sleep(0.5)
+
+    async def _pin(self, http: httpx.AsyncClient, checkpoint_dir: str, version: str) -> EngineInfo:
+        api = EngineAPI(
+            http,
+            api_key=self.config.api_key,
+            admin_api_key=self.config.admin_api_key,
+            load_timeout_s=self.config.load_timeout_s,
+        )
+        path = normalize_path(checkpoint_dir)
+        for attempt in range(1, self.config.pin_attempts + 1):
+            load = await api.load(self.url, path, version)
+            info: EngineInfo | None = None
+            problems = [] if load.ok else [f"load failed ({load.error}): {load.message[:300]}"]
+            try:
+                info = await api.model_info(self.url)
+            except (httpx.TransportError, FleetError) as exc:
+                problems.append(f"read-back failed: {exc!r}")
+            if info is not None:
+                if info.weight_version != version:
+                    problems.append(f"reads back weight_version {info.weight_version!r}, expected {version!r}")
+                if normalize_path(info.model_path) != path:
+                    problems.append(f"reads back model_path {info.model_path!r}, expected {path!r}")
+            self.history.pins.append(
+                PinAttempt(
+                    attempt, load.ok, info.weight_version if info else None, info.model_path if info else None,
+                    "; ".join(problems),
+                )
+            )  # fmt: skip
+            if info is not None and not problems:
+                return info
+        raise EvalSkip(
+            SkipReason.PIN_VIOLATION,
+            f"{self.url}: version {version!r} from {path} not verified after {self.config.pin_attempts} "
+            f"attempts: {self.history.pins[-1].problem}",
+        )
+
+    # ---- generate and score ------------------------------------------------------------
+
+    async def _generate_all(self, http: httpx.AsyncClient, input: EvalInput) -> dict[str, DatasetResult]:
+        gen = RouterGenerator(
+            http,
+            self.url,
+            api_key=self.config.api_key,
+            max_concurrency=self.config.max_concurrency,
+            abort_retries=self.config.abort_retries,
+        )
+        version = input.weight_version
+        try:
+            results = await asyncio.gather(*(self._dataset(gen, ds, input) for ds in input.datasets))
+        except WeightVersionMismatch as exc:
+            raise EvalSkip(SkipReason.PIN_VIOLATION, f"{self.url} pinned to {version}: {exc}") from exc
+        except GenerateRejected as exc:
+            if exc.status_code < 500:
+                raise
+            raise EvalSkip(SkipReason.UNHEALTHY, str(exc)) from exc
+        except (GenerationAborted, FleetError) as exc:
+            raise EvalSkip(SkipReason.UNHEALTHY, str(exc)) from exc
+        return {ds.name: res for ds, res in zip(input.datasets, results, strict=True)}
+
+    async def _dataset(self, gen: RouterGenerator, ds: ResolvedDataset, input: EvalInput) -> DatasetResult:
+        reward = get_reward(ds.reward)
+        rows = load_dataset(ds)
+        prefix = f"{input.run}-{input.step}-ext-{ds.name}"
+
+        async def one(sample: EvalSample, j: int) -> ScoredSample:
+            if not isinstance(sample.prompt, str):
+                raise ValueError(f"dataset {ds.name} row {sample.index}: chat-message prompts need apply_chat_template")
+            params = ds.sampling_params() | {"sampling_seed": sample.index * 1000 + j}
+            if not params.get("stop"):
+                params.pop("stop")
+            body = build_generate_body(sample.prompt, sampling_params=params, rid=f"{prefix}-{sample.index}-{j}")
+            result = await gen.generate(body, input.weight_version)
+            self.history.generated += 1
+            return ScoredSample.score(
+                reward,
+                prompt_index=sample.index,
+                sample_index=j,
+                response=result.text,
+                label=str(sample.label),
+                response_len=result.meta_info.completion_tokens,
+                finish_reason=result.finish_type,
+                weight_version=result.meta_info.weight_version,
+            )
+
+        scored = await asyncio.gather(*(one(s, j) for s in rows for j in range(ds.n_samples_per_prompt)))
+        return DatasetResult.from_scored(list(scored))
