@@ -1,0 +1,438 @@
+"""`EvalClient`: the training loop's dispatcher of eval points (no Prefect import).
+
+Contract:
+- `dispatch(step, source=None, final=False, export=None)` admits the point *before* any in-loop
+  export, from the orchestrator's truth: the run's non-terminal eval-point flow runs, plus the
+  points this client requested that are not visible there yet (spooled, or sent and awaiting the
+  trigger), deduplicated by step. So a restarted trainer resumes with its in-flight points.
+  At `max_in_flight`: `skip` (never for the final point) records `busy` at the step without
+  exporting; `backpressure` waits for the oldest point. When the API is unreachable the point is
+  admitted (the flow's own global concurrency limit still bounds it) and spooled.
+- an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
+  is timed as `export_time_seconds`; its failure removes the partial output and records
+  `export_failed` at the step.
+- every request is written ahead to the durable spool and sent by a background thread, so the
+  non-waiting call costs the loop one admission query plus one fsync; `dispatch` never raises
+  into training (failures are logged and become skip records). A step already requested or
+  recorded is not requested again.
+- `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
+  `eval/lag_steps` (latest value wins, sent in the background).
+- `drain(timeout)` delivers the spool and waits for every point to be terminal; `results()`
+  reads each point's outcome from its flow run state (and metrics from the JSONL sink).
+- `evaluate_now(step, gate)` (shared posture): closes the producer gate, requests a
+  `posture="shared"` point, waits for it, and reopens the gate in `finally`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from pinned_eval.events import BlockNames
+from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, progress_variable_name
+from pinned_eval.settings import PrefectApiSettings, get_settings
+from trainer_integration.events import SINKS_BLOCK_SLUG, Delivery, event_entry, skip_record_entry
+from trainer_integration.rest import ApiUnavailableError, PointRun, PrefectRest, api_client
+from trainer_integration.spool import Deliverer, Spool, SpoolEntry
+
+log = logging.getLogger(__name__)
+
+Exporter = Callable[[int, str], object]
+Action = Literal["requested", "exists", "not_due", "skipped_busy", "skipped_export_failed"]
+OutcomeState = Literal["measured", "skipped", "failed", "crashed", "cancelled", "pending"]
+
+
+class GateLike(Protocol):
+    """What `evaluate_now` needs of a producer gate (`trainer_integration.gate.ProducerGate`)."""
+
+    def closed(self, reason: str = "") -> AbstractAsyncContextManager[object]: ...
+
+
+class DispatchResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    action: Action
+    in_flight: int = Field(description="Points in flight seen by admission (this one excluded).")
+    waited_seconds: float = 0.0
+    export_time_seconds: float | None = None
+    stall_seconds: float = Field(description="Wall time the call took, export included.")
+    admitted_offline: bool = Field(default=False, description="API unreachable: admitted unchecked.")
+
+
+class PointOutcome(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    state: OutcomeState
+    reason: str | None = None
+    message: str | None = None
+    flow_run_id: str | None = None
+    flow_runs: int = Field(default=0, description="Flow runs seen for this step (1 expected).")
+    metrics: dict[str, dict[str, float]] = Field(default_factory=dict, description="dataset -> metrics")
+
+
+def _outcome(step: int, runs: list[PointRun], rows: dict[str | None, dict[str, float]]) -> PointOutcome:
+    if not runs:
+        return PointOutcome(step=step, state="pending")
+    run = runs[-1]
+    reason: str | None = None
+    state: OutcomeState
+    if not run.terminal:
+        state = "pending"
+    elif run.state_type == "COMPLETED" and run.state_name == "Skipped":
+        state, reason = "skipped", (run.message or "").split(":", 1)[0] or None
+    elif run.state_type == "COMPLETED":
+        state = "measured"
+    elif run.state_type == "CANCELLED":
+        state = "cancelled"
+    else:
+        state, reason = ("crashed" if run.state_type == "CRASHED" else "failed"), "crashed"
+    metrics = {k: v for k, v in rows.items() if k is not None} if state == "measured" else {}
+    return PointOutcome(
+        step=step,
+        state=state,
+        reason=reason,
+        message=run.message,
+        flow_run_id=run.id,
+        flow_runs=len(runs),
+        metrics=metrics,
+    )
+
+
+class EvalClient:
+    def __init__(
+        self,
+        run: str,
+        api_url: str | None = None,
+        *,
+        blocks: BlockNames | None = None,
+        policy: Literal["backpressure", "skip"] = "backpressure",
+        max_in_flight: int = 2,
+        staging_root: str | Path | None = None,
+        exporter: Exporter | None = None,
+        eval_interval: int | None = None,
+        spool_dir: str | Path | None = None,
+        webhook_url: str | None = None,
+        deployment: str = "eval-point/eval-point",
+        settings: PrefectApiSettings | None = None,
+        http: httpx.Client | None = None,
+        poll_s: float = 0.5,
+        visible_timeout_s: float = 120.0,
+    ) -> None:
+        settings = settings or PrefectApiSettings()
+        url = api_url or settings.api_url
+        if not url:
+            raise ValueError("api_url: pass it or set PREFECT_API_URL")
+        # validated once here, so a bad run name fails at construction, not in the loop
+        PointRequest(run=run, step=0, posture=Posture.SHARED, policy=policy, max_in_flight=max_in_flight)
+        if eval_interval is not None and eval_interval < 1:
+            raise ValueError(f"eval_interval: must be >= 1, got {eval_interval}")
+        self.run = run
+        self.blocks = blocks or BlockNames()
+        self.policy = policy
+        self.max_in_flight = max_in_flight
+        self.exporter = exporter
+        self.eval_interval = eval_interval
+        self.poll_s = poll_s
+        self.visible_timeout_s = visible_timeout_s
+        self._staging: Any = None
+        if staging_root is not None:
+            from pinned_eval.snapshot.staging import Staging
+
+            self._staging = Staging(str(staging_root))
+        self.rest = PrefectRest(url, http or api_client(settings))
+        self._latest_step: int | None = None
+        self._progress = threading.Event()
+        self._requested: dict[int, float] = {}  # step -> monotonic time requested (this process)
+        self._lock = threading.Lock()
+        spool_root = Path(spool_dir) if spool_dir else get_settings().home / "spool"
+        self.spool = Spool(spool_root / run)
+        self.deliverer = Deliverer(
+            self.spool,
+            Delivery(
+                self.rest,
+                webhook_url=webhook_url or settings.webhook_url,
+                deployment=deployment,
+                latest_step=lambda: self._latest_step,
+            ),
+        )
+        for entry in self.spool.pending():  # a previous process's undelivered requests
+            self._requested[entry.step] = time.monotonic()
+        self._known: set[int] = set()  # steps with a flow run seen on the server
+        self._stop = threading.Event()
+        self._progress_thread = threading.Thread(target=self._progress_loop, name="pinned-eval-progress", daemon=True)
+        self.deliverer.start()
+        self._progress_thread.start()
+        self.deliverer.kick()
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def due(self, step: int, *, final: bool = False) -> bool:
+        """Eval due at `(step + 1) % eval_interval == 0` (miles' schedule) and at the final step."""
+        return final or self.eval_interval is None or (step + 1) % self.eval_interval == 0
+
+    def in_flight(self) -> set[int]:
+        """Steps in flight: non-terminal runs on the server plus requested-but-not-visible ones."""
+        runs = self.rest.point_runs(self.run)
+        seen = {r.step for r in runs}
+        busy = {r.step for r in runs if not r.terminal}
+        now = time.monotonic()
+        spooled = {e.step for e in self.spool.pending()}
+        with self._lock:
+            self._known |= seen
+            for step, at in self._requested.items():
+                if step in seen:
+                    continue
+                if step in spooled or now - at < self.visible_timeout_s:
+                    busy.add(step)
+                else:
+                    log.warning("pinned-eval: %s step %d was sent but no flow run appeared", self.run, step)
+        return busy
+
+    def _local_in_flight(self) -> set[int]:
+        with self._lock:
+            return {s for s in self._requested if s not in self._known} | {e.step for e in self.spool.pending()}
+
+    def _admit(self, step: int, final: bool) -> tuple[str, int, float, bool]:
+        """('ok'|'busy'|'exists', in_flight, waited_s, offline)."""
+        started = time.monotonic()
+        while True:
+            try:
+                busy = self.in_flight()
+            except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
+                log.warning("pinned-eval: admission of %s step %d without the API (%s)", self.run, step, exc)
+                return "ok", len(self._local_in_flight() - {step}), time.monotonic() - started, True
+            with self._lock:
+                if step in self._known or step in self._requested:
+                    return "exists", len(busy - {step}), time.monotonic() - started, False
+            others = busy - {step}
+            if len(others) < self.max_in_flight:
+                return "ok", len(others), time.monotonic() - started, False
+            if self.policy == "skip" and not final:
+                return "busy", len(others), time.monotonic() - started, False
+            time.sleep(self.poll_s)
+
+    # ---- dispatch ------------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        step: int,
+        source: SnapshotSource | None = None,
+        final: bool = False,
+        export: Exporter | None = None,
+        *,
+        posture: Posture = Posture.FLEET,
+    ) -> DispatchResult:
+        t0 = time.monotonic()
+        if not self.due(step, final=final):
+            return DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
+        return self._dispatch_safe(step, source, final, export, posture, t0)
+
+    def _dispatch_safe(
+        self,
+        step: int,
+        source: SnapshotSource | None,
+        final: bool,
+        export: Exporter | None,
+        posture: Posture,
+        t0: float,
+    ) -> DispatchResult:
+        try:
+            return self._dispatch(step, source, final, export or self.exporter, posture, t0)
+        except Exception:
+            log.exception("pinned-eval: dispatch of %s step %d failed; recorded as export_failed", self.run, step)
+            self._record_skip(step, source, final, posture, "export_failed", "dispatch error (see trainer log)")
+            return DispatchResult(
+                step=step, action="skipped_export_failed", in_flight=0, stall_seconds=time.monotonic() - t0
+            )
+
+    def _dispatch(
+        self,
+        step: int,
+        source: SnapshotSource | None,
+        final: bool,
+        export: Exporter | None,
+        posture: Posture,
+        t0: float,
+    ) -> DispatchResult:
+        verdict, n, waited, offline = self._admit(step, final)
+        common = {"step": step, "in_flight": n, "waited_seconds": waited, "admitted_offline": offline}
+        if verdict == "exists":
+            return DispatchResult(action="exists", stall_seconds=time.monotonic() - t0, **common)
+        if verdict == "busy":
+            self._record_skip(step, source, final, posture, "busy", f"{n} points in flight (max {self.max_in_flight})")
+            return DispatchResult(action="skipped_busy", stall_seconds=time.monotonic() - t0, **common)
+        export_time = None
+        if export is not None and source is None and posture is Posture.FLEET:
+            if self._staging is None:
+                raise ValueError("staging_root: an in-loop export needs the client's staging_root")
+            dest = self._staging.path_for(self.run, step)
+            e0 = time.monotonic()
+            try:
+                export(step, dest)
+            except Exception as exc:
+                log.exception("pinned-eval: in-loop export of %s step %d failed", self.run, step)
+                self._staging.delete(dest)
+                self._record_skip(step, None, final, posture, "export_failed", f"in-loop export: {exc!r}"[:500])
+                return DispatchResult(action="skipped_export_failed", stall_seconds=time.monotonic() - t0, **common)
+            export_time = time.monotonic() - e0
+            source = SnapshotSource(kind=SourceKind.STAGED, path=dest)
+        request = self._request(step, source, final, posture, export_time)
+        self._enqueue(event_entry(request, self.blocks))
+        return DispatchResult(
+            action="requested", export_time_seconds=export_time, stall_seconds=time.monotonic() - t0, **common
+        )
+
+    def _request(
+        self, step: int, source: SnapshotSource | None, final: bool, posture: Posture, export_time: float | None
+    ) -> PointRequest:
+        return PointRequest(
+            run=self.run,
+            step=step,
+            source=source,
+            final=final,
+            posture=posture,
+            policy=self.policy,
+            max_in_flight=self.max_in_flight,
+            export_time_seconds=export_time,
+        )
+
+    def _record_skip(
+        self, step: int, source: SnapshotSource | None, final: bool, posture: Posture, reason: str, message: str
+    ) -> None:
+        # never run, so not validated as a runnable request (a busy fleet point has no source yet)
+        req = PointRequest.model_construct(
+            run=self.run,
+            step=step,
+            source=source,
+            final=final,
+            posture=posture,
+            policy=self.policy,
+            max_in_flight=self.max_in_flight,
+            export_time_seconds=None,
+        )
+        self._enqueue(skip_record_entry(req, self.blocks, reason, f"step {step}: {message}"))
+
+    def _enqueue(self, entry: SpoolEntry) -> None:
+        self.spool.append(entry)
+        with self._lock:
+            self._requested[entry.step] = time.monotonic()
+        self.deliverer.kick()
+
+    # ---- progress ------------------------------------------------------------------------------
+
+    def report_progress(self, step: int) -> None:
+        """Publish the trainer's latest step (read by the flow for `eval/lag_steps`); non-blocking."""
+        self._latest_step = step
+        self._progress.set()
+
+    def _progress_loop(self) -> None:
+        sent: int | None = None
+        name = progress_variable_name(self.run)
+        while not self._stop.is_set():
+            self._progress.wait(1.0)
+            self._progress.clear()
+            step = self._latest_step
+            if step is None or step == sent:
+                continue
+            try:
+                self.rest.set_variable(name, step)
+                sent = step
+            except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
+                log.warning("pinned-eval: progress of %s not published (%s)", self.run, exc)
+                self._stop.wait(1.0)
+
+    def flush_progress(self, timeout: float = 10.0) -> None:
+        """Block until the latest reported step is published (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        name = progress_variable_name(self.run)
+        while time.monotonic() < deadline:
+            if self._latest_step is None or self.rest.get_variable(name) == self._latest_step:
+                return
+            self._progress.set()
+            time.sleep(0.1)
+        raise TimeoutError(f"progress of {self.run} not published within {timeout}s")
+
+    # ---- outcomes ------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return sorted(set(self._requested) | self._known)
+
+    def results(self) -> list[PointOutcome]:
+        runs = self.rest.point_runs(self.run)
+        rows = self._sink_rows()
+        with self._lock:
+            self._known |= {r.step for r in runs}
+        by_step: dict[int, list[PointRun]] = {}
+        for r in runs:
+            by_step.setdefault(r.step, []).append(r)
+        return [_outcome(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
+
+    def _sink_rows(self) -> dict[int, dict[str | None, dict[str, float]]]:
+        from pinned_eval.sinks import JsonlSink
+
+        data = self.rest.block_data(SINKS_BLOCK_SLUG, self.blocks.sinks)
+        path = (data or {}).get("jsonl_path")
+        out: dict[int, dict[str | None, dict[str, float]]] = {}
+        if path and Path(path).exists():
+            for row in JsonlSink(path).read(self.run):
+                out.setdefault(row.step, {})[row.dataset] = row.metrics
+        return out
+
+    def wait_for(self, step: int, timeout: float) -> PointOutcome:
+        deadline = time.monotonic() + timeout
+        while True:
+            [outcome] = [o for o in self.results() if o.step == step] or [PointOutcome(step=step, state="pending")]
+            if outcome.state != "pending" or time.monotonic() > deadline:
+                return outcome
+            time.sleep(self.poll_s)
+
+    def drain(self, timeout: float) -> list[PointOutcome]:
+        """Deliver the spool, then wait until every point is terminal (pending ones stay `pending`)."""
+        deadline = time.monotonic() + timeout
+        if not self.deliverer.flush(timeout):
+            log.warning("pinned-eval: %d requests of %s still spooled", len(self.spool.pending()), self.run)
+        while True:
+            outcomes = self.results()
+            if all(o.state != "pending" for o in outcomes) or time.monotonic() > deadline:
+                return outcomes
+            time.sleep(self.poll_s)
+
+    async def shared_point(self, step: int, *, final: bool = False, timeout: float = 600.0) -> PointOutcome:
+        """Request a `posture="shared"` point at `step` and wait for it (the gate's dispatch_and_wait)."""
+        import asyncio
+
+        result = await asyncio.to_thread(self._dispatch_safe, step, None, final, None, Posture.SHARED, time.monotonic())
+        if result.action not in ("requested", "exists"):
+            log.warning("pinned-eval: shared point %s step %d: %s", self.run, step, result.action)
+        return await asyncio.to_thread(self.wait_for, step, timeout)
+
+    async def evaluate_now(
+        self, step: int, gate: GateLike, *, final: bool = False, timeout: float = 600.0
+    ) -> PointOutcome:
+        """Shared posture: pause the producer's new submissions, measure the live engines, resume."""
+        async with gate.closed(f"shared-engine eval at step {step}"):
+            return await self.shared_point(step, final=final, timeout=timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._progress.set()
+        self.deliverer.stop()
+        self._progress_thread.join(5)
+        self.rest.http.close()
+
+    def __enter__(self) -> EvalClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,155 @@
+"""The few Prefect REST calls the trainer side makes, over plain httpx (no Prefect import).
+
+Contract: every call goes through one `httpx.Client` built by `api_client` with the auth of
+`pinned_eval.settings.PrefectApiSettings` (basic `PREFECT_API_AUTH_STRING` wins over Bearer
+`PREFECT_API_KEY`, as in Prefect's own client). Reads raise `ApiUnavailableError` when the API
+cannot be reached or answers 5xx, so callers can degrade (admit and spool) instead of failing;
+other HTTP errors raise `httpx.HTTPStatusError`.
+
+A point's flow runs are found two ways and merged: runs tagged `run:<run>` (the flow tags itself
+at start; trainer-side skip records are created tagged) and the not-yet-started runs of the
+eval-point flow whose `run` parameter matches (a triggered run carries only the deployment's
+tags until it starts).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+
+from pinned_eval.settings import PrefectApiSettings
+
+NON_TERMINAL = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
+TERMINAL = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
+_PAGE = 200
+
+
+class ApiUnavailableError(RuntimeError):
+    """The Prefect API could not be reached, or answered with a server error."""
+
+
+class PointRun(BaseModel):
+    """What the trainer needs of one eval-point flow run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    name: str
+    step: int
+    state_type: str
+    state_name: str
+    message: str | None
+    created: str
+
+    @property
+    def terminal(self) -> bool:
+        return self.state_type in TERMINAL
+
+
+def auth_headers(settings: PrefectApiSettings) -> dict[str, str]:
+    """Authorization header for the API (or a Cloud webhook) from Prefect's env variables."""
+    if settings.api_auth_string is not None:
+        token = base64.b64encode(settings.api_auth_string.get_secret_value().encode()).decode()
+        return {"Authorization": f"Basic {token}"}
+    if settings.api_key is not None:
+        return {"Authorization": f"Bearer {settings.api_key.get_secret_value()}"}
+    return {}
+
+
+def api_client(
+    settings: PrefectApiSettings, *, timeout_s: float = 5.0, transport: httpx.BaseTransport | None = None
+) -> httpx.Client:
+    return httpx.Client(headers=auth_headers(settings), timeout=timeout_s, transport=transport)
+
+
+class PrefectRest:
+    def __init__(self, api_url: str, http: httpx.Client, *, flow_name: str = "eval-point") -> None:
+        self.api = api_url.rstrip("/")
+        self.http = http
+        self.flow_name = flow_name
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self.http.request(method, f"{self.api}{path}", **kwargs)
+        except httpx.TransportError as exc:
+            raise ApiUnavailableError(f"{method} {path}: {exc!r}") from exc
+        if resp.status_code >= 500:
+            raise ApiUnavailableError(f"{method} {path}: HTTP {resp.status_code}")
+        return resp
+
+    # ---- flow runs ---------------------------------------------------------------------------
+
+    def _filter(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        offset = 0
+        while True:
+            resp = self._call("POST", "/flow_runs/filter", json={**body, "limit": _PAGE, "offset": offset})
+            resp.raise_for_status()
+            page = resp.json()
+            out.extend(page)
+            if len(page) < _PAGE:
+                return out
+            offset += _PAGE
+
+    def point_runs(self, run: str, *, non_terminal_only: bool = False) -> list[PointRun]:
+        """Flow runs of `run`'s eval points, oldest first (tagged ones plus not-yet-started ones)."""
+        flows = {"name": {"any_": [self.flow_name]}}
+        pending_body: dict[str, Any] = {"flows": flows, "flow_runs": {"state": {"type": {"any_": NON_TERMINAL}}}}
+        tagged: dict[str, Any] = {"tags": {"all_": [f"run:{run}"]}}
+        if non_terminal_only:
+            tagged["state"] = {"type": {"any_": NON_TERMINAL}}
+        raw = {r["id"]: r for r in self._filter({"flows": flows, "flow_runs": tagged})}
+        for r in self._filter(pending_body):
+            if (r.get("parameters") or {}).get("run") == run:
+                raw[r["id"]] = r
+        runs = [_point_run(r) for r in raw.values() if "step" in (r.get("parameters") or {})]
+        return sorted(runs, key=lambda r: (r.created, r.id))
+
+    def deployment_id(self, flow_name: str, deployment_name: str) -> str:
+        resp = self._call("GET", f"/deployments/name/{flow_name}/{deployment_name}")
+        resp.raise_for_status()
+        return str(resp.json()["id"])
+
+    def create_flow_run(self, deployment_id: str, body: dict[str, Any]) -> httpx.Response:
+        return self._call("POST", f"/deployments/{deployment_id}/create_flow_run", json=body)
+
+    # ---- variables and blocks ----------------------------------------------------------------
+
+    def set_variable(self, name: str, value: Any) -> None:
+        """Create or update the Variable `name`."""
+        resp = self._call("PATCH", f"/variables/name/{name}", json={"value": value})
+        if resp.status_code == 404:
+            resp = self._call("POST", "/variables/", json={"name": name, "value": value})
+            if resp.status_code == 409:  # created meanwhile by another writer
+                resp = self._call("PATCH", f"/variables/name/{name}", json={"value": value})
+        resp.raise_for_status()
+
+    def get_variable(self, name: str) -> Any:
+        resp = self._call("GET", f"/variables/name/{name}")
+        if resp.status_code == 404:
+            return None
+        resp.raise_for_status()
+        return resp.json()["value"]
+
+    def block_data(self, slug: str, name: str) -> dict[str, Any] | None:
+        resp = self._call("GET", f"/block_types/slug/{slug}/block_documents/name/{name}")
+        if resp.status_code == 404:
+            return None
+        resp.raise_for_status()
+        return dict(resp.json()["data"])
+
+
+def _point_run(raw: dict[str, Any]) -> PointRun:
+    state = raw.get("state") or {}
+    return PointRun(
+        id=str(raw["id"]),
+        name=raw["name"],
+        step=int(raw["parameters"]["step"]),
+        state_type=state.get("type") or "SCHEDULED",
+        state_name=state.get("name") or "",
+        message=state.get("message"),
+        created=raw["created"],
+    )
