@@ -38,9 +38,7 @@ class SnapshotSource(BaseModel):
 
     kind: SourceKind = Field(description="Source kind: hf, staged, megatron or state_dict.")
     path: str = Field(min_length=1, description="Directory, file or URL of the weights.")
-    hf_base: str | None = Field(
-        default=None, description="Base HF dir for config/tokenizer (megatron, state_dict)."
-    )
+    hf_base: str | None = Field(default=None, description="Base HF dir for config/tokenizer (megatron, state_dict).")
     require_marker: bool = Field(
         default=True, description="Require the `.complete` marker (False only for a base checkpoint)."
     )
@@ -64,7 +62,9 @@ class PointRequest(BaseModel):
 
     run: str = Field(pattern=RUN_PATTERN, description="Training run name, e.g. `exp42`.")
     step: int = Field(ge=0, description="Training step whose weights are measured.")
-    source: SnapshotSource = Field(description="Snapshot source of the step's weights.")
+    source: SnapshotSource | None = Field(
+        default=None, description="Snapshot source of the step's weights (None only for the shared posture)."
+    )
     final: bool = Field(default=False, description="The run's final point: never skipped as busy.")
     posture: Posture = Field(default=Posture.FLEET, description="fleet, shared or external.")
     policy: Literal["backpressure", "skip"] = Field(
@@ -74,6 +74,12 @@ class PointRequest(BaseModel):
     export_time_seconds: float | None = Field(
         default=None, ge=0, description="Seconds an in-loop export took, when the trainer exported."
     )
+
+    @model_validator(mode="after")
+    def _source_needed(self) -> PointRequest:
+        if self.source is None and self.posture is not Posture.SHARED:
+            raise ValueError(f"source: the {self.posture.value!r} posture needs a snapshot source")
+        return self
 
     @property
     def weight_version(self) -> str:

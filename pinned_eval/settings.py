@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,3 +23,20 @@ class Settings(BaseSettings):
 
 def get_settings() -> Settings:
     return Settings()
+
+
+class PrefectApiSettings(BaseSettings):
+    """How the trainer side reaches Prefect without importing it: Prefect's own variable names.
+
+    `PREFECT_API_URL`; auth is `PREFECT_API_AUTH_STRING` (`user:pass`, HTTP basic, a self-hosted
+    server with `PREFECT_SERVER_API_AUTH_STRING`) or else `PREFECT_API_KEY` (Bearer, Prefect
+    Cloud) — the same precedence as Prefect's client. `PINNED_EVAL_WEBHOOK_URL` sends point
+    requests to a Prefect Cloud webhook instead of `POST /api/events`.
+    """
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    api_url: str | None = Field(default=None, validation_alias="PREFECT_API_URL")
+    api_key: SecretStr | None = Field(default=None, validation_alias="PREFECT_API_KEY")
+    api_auth_string: SecretStr | None = Field(default=None, validation_alias="PREFECT_API_AUTH_STRING")
+    webhook_url: str | None = Field(default=None, validation_alias="PINNED_EVAL_WEBHOOK_URL")
