@@ -83,6 +83,7 @@ def save_point_blocks(
     *,
     suite: EvalSuite = SMALL_SUITE,
     keep_snapshots: int = 2,
+    wandb: bool = False,
 ) -> PointEnv:
     tag = uuid.uuid4().hex[:8]
     run = f"t{tag}"
@@ -93,7 +94,10 @@ def save_point_blocks(
     EvalSuiteBlock(suite=suite).save(names["suite"])
     fleet.save(names["fleet"])
     StagingBlock(root=str(staging_root), keep_snapshots=keep_snapshots).save(names["staging"])
-    SinksBlock(jsonl_path=str(jsonl)).save(names["sinks"])
+    wandb_opts = (
+        {"wandb_project": "pinned-eval-tests", "wandb_mode": "offline", "wandb_dir": str(tmp_path)} if wandb else {}
+    )
+    SinksBlock(jsonl_path=str(jsonl), **wandb_opts).save(names["sinks"])
     return PointEnv(run, staging_root, jsonl, names)
 
 

@@ -18,7 +18,9 @@ from pinned_eval.points import history_artifact_key
 from pinned_eval.sinks import JsonlSink
 from tasks.admission import admitted
 from tests.conftest import free_port
+from tests.faults import RelabelingProxy
 from tests.pointkit import SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
+from tests.wandb_offline import history_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +39,9 @@ def staged(env: PointEnv, step: int, tiny: Path, **kw: object) -> dict[str, str]
     return {"kind": "staged", "path": dest}
 
 
-def test_measured_point_pins_exactly_its_step(point_env: PointEnv, tiny_model: Path) -> None:
+def test_measured_point_pins_exactly_its_step(prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path) -> None:
+    fleet = FleetBlock(name="measured", mode="launch", state_file=str(cpu_fleet.state_file))
+    point_env = save_point_blocks(tmp_path, fleet, wandb=True)
     state, fr = run_point(point_env, 7, source=staged(point_env, 7, tiny_model))
     assert state.is_completed() and state.name == "Completed", state.message
     assert fr.name == f"{point_env.run}/step-7"
@@ -56,6 +60,8 @@ def test_measured_point_pins_exactly_its_step(point_env: PointEnv, tiny_model: P
     assert [(row["step"], row["state"], row["weight_version"]) for row in table] == [(7, "measured", "7")]
     for r in rows:
         assert table[0][f"eval/{r.dataset}"] == pytest.approx(r.metrics[f"eval/{r.dataset}"], abs=1e-4)
+    [wandb_row] = history_rows(tmp_path)  # the point's metrics, logged once at eval/step 7
+    assert wandb_row == pytest.approx({k: v for r in rows for k, v in r.metrics.items()})
 
 
 def test_busy_under_skip_policy_is_a_skipped_point(point_env: PointEnv) -> None:
@@ -180,3 +186,20 @@ def test_failed_export_leaves_nothing_behind(point_env: PointEnv, tmp_path: Path
     assert state.name == "Skipped" and state.message.startswith("export_failed"), state.message
     store = StagingBlock.load(point_env.blocks["staging"]).staging()
     assert not Path(store.path_for(point_env.run, 13)).exists()
+
+
+def test_engine_reporting_another_version_is_pin_violation(
+    prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    liar, honest = cpu_fleet.engine_urls
+    proxy = RelabelingProxy(liar, "999")
+    try:
+        fleet = FleetBlock(name="liar", mode="attach", engine_urls=[proxy.url, honest], router_url=cpu_fleet.router_url)
+        env = save_point_blocks(tmp_path, fleet)
+        state, _ = run_point(env, 14, source=staged(env, 14, tiny_model))
+    finally:
+        proxy.close()
+    assert state.name == "Skipped" and state.message.startswith("pin_violation"), state.message
+    assert proxy.loads == 2, "two attempts, then the skip"
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    assert row.metrics["eval/skipped_pin_violation"] == 1

@@ -13,9 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -32,6 +30,7 @@ from pinned_eval.fleet import (
     WeightVersionMismatch,
     launch_cpu_fleet,
 )
+from tests.faults import RelabelingProxy
 
 pytestmark = pytest.mark.e2e
 
@@ -121,49 +120,6 @@ async def test_engine_killed_between_pins_is_revived_and_the_next_pin_succeeds(
     assert {o.weight_version for o in outs} == {"6"}
     saved = json.loads(Path(fleet.state_file).read_text())  # another process sees the new PID
     assert fleet.pid_of(victim) in [e["pid"] for e in saved["engines"]]
-
-
-class RelabelingProxy:
-    """Pass-through HTTP proxy to one engine; after each successful weight load it relabels the engine."""
-
-    def __init__(self, engine_url: str, label: str) -> None:
-        self.loads = 0
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _forward(self, method: str) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with httpx.Client(timeout=120) as http:
-                    resp = http.request(
-                        method, f"{engine_url}{self.path}", content=body, headers={"Content-Type": "application/json"}
-                    )
-                    if self.path == "/update_weights_from_disk" and resp.status_code == 200:
-                        proxy.loads += 1
-                        relabel = {"new_version": label, "abort_all_requests": False}
-                        http.post(f"{engine_url}/update_weight_version", json=relabel).raise_for_status()
-                self.send_response(resp.status_code)
-                self.send_header("Content-Type", resp.headers.get("content-type", "application/json"))
-                self.send_header("Content-Length", str(len(resp.content)))
-                self.end_headers()
-                self.wfile.write(resp.content)
-
-            def do_GET(self) -> None:
-                self._forward("GET")
-
-            def do_POST(self) -> None:
-                self._forward("POST")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 async def test_engine_reporting_another_version_fails_the_pin_after_two_attempts(

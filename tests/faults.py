@@ -1,0 +1,51 @@
+"""Faults injected for real in tests: a proxy in front of a real engine that makes it misreport."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+
+class RelabelingProxy:
+    """Pass-through HTTP proxy to one engine; after each successful weight load it relabels the engine."""
+
+    def __init__(self, engine_url: str, label: str) -> None:
+        self.loads = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with httpx.Client(timeout=120) as http:
+                    resp = http.request(
+                        method, f"{engine_url}{self.path}", content=body, headers={"Content-Type": "application/json"}
+                    )
+                    if self.path == "/update_weights_from_disk" and resp.status_code == 200:
+                        proxy.loads += 1
+                        relabel = {"new_version": label, "abort_all_requests": False}
+                        http.post(f"{engine_url}/update_weight_version", json=relabel).raise_for_status()
+                self.send_response(resp.status_code)
+                self.send_header("Content-Type", resp.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(resp.content)))
+                self.end_headers()
+                self.wfile.write(resp.content)
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

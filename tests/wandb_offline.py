@@ -1,0 +1,53 @@
+"""Read the history rows of W&B offline run files (`run-<id>.wandb`), to check what the sink logged.
+
+The file is W&B's record log: a 7-byte header (":W&B", magic, version), then LevelDB-style
+records in 32 KiB blocks (crc32, little-endian length, type FULL/FIRST/MIDDLE/LAST), each a
+`wandb_internal_pb2.Record`. wandb 0.31 ships no Python reader for it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _records(data: bytes) -> Iterator[bytes]:
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+
+
+def history_rows(wandb_dir: Path) -> list[dict[str, Any]]:
+    """Every logged history row of every offline run under `wandb_dir`, in file order."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for path in sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        for raw in _records(path.read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            if rec.WhichOneof("record_type") == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                rows.append({k: v for k, v in row.items() if not k.startswith("_")})
+    return rows
