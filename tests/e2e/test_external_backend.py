@@ -1,0 +1,163 @@
+"""The reference external backend against real CPU engines (one it launches, one it attaches to),
+and the `evaluate_external` task inside real Prefect flow runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prefect import flow, get_client
+from prefect.states import Completed
+
+from engine.launch import EngineProcess
+from pinned_eval.fleet.process import is_running
+from pinned_eval.skips import EvalSkipped, skip_metric
+from tasks.external import evaluate_external
+from tests.e2e.conftest import EngineStarter
+from tests.pointkit import SMALL_SUITE, write_step_snapshot
+from trainer_integration.external import (
+    CheckpointEvalFn,
+    EvalInput,
+    EvalResults,
+    EvalSkip,
+    results_from_rows,
+    results_to_metrics,
+    samples_artifact_key,
+)
+from trainer_integration.sglang_backend import SGLangCheckpointEval
+
+pytestmark = pytest.mark.e2e
+N_SAMPLES = sum(min(d.max_prompts or 10**6, 50) for d in SMALL_SUITE.datasets)  # 6 + 6 prompts, n = 1
+
+
+@pytest.fixture(scope="module")
+def attached_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    starter = EngineStarter(tmp_path_factory.mktemp("attached"))
+    try:
+        yield starter(tiny_model)
+    finally:
+        starter.stop_all()
+
+
+def _snapshot(tiny: Path, root: Path, step: int) -> str:
+    return write_step_snapshot(tiny, str(root / f"step_{step}"))
+
+
+def _model_info(url: str) -> dict:
+    return httpx.get(f"{url}/model_info", timeout=10).json()
+
+
+async def test_launched_cpu_server_waits_pins_then_evals(tiny_model: Path, tmp_path: Path) -> None:
+    snap = _snapshot(tiny_model, tmp_path, 5)
+    backend = SGLangCheckpointEval(launch="cpu", model_path=str(tiny_model), log_dir=str(tmp_path / "logs"))
+    launched = backend.launched
+    assert launched is not None and is_running(launched)
+    try:
+        inp = EvalInput(run="exp42", step=5, hf_dir=snap, suite=SMALL_SUITE)
+        results = await backend.evaluate_checkpoint(snap, inp)
+        info = _model_info(backend.url)
+        assert (info["weight_version"], info["model_path"]) == ("5", snap)
+    finally:
+        backend.dispose()
+    assert not is_running(launched), "dispose stops the server it launched"
+    backend.dispose()  # idempotent
+    [pin] = backend.history.pins
+    assert pin.load_ok and pin.weight_version == "5" and not pin.problem
+    assert backend.history.generated == N_SAMPLES
+    assert {ds: len(r) for ds, r in results.data.items()} == {"arith_add": 6, "arith_sub": 6}
+    assert all(v == "5" for r in results.data.values() for v in r.weight_versions)
+    metrics = results_to_metrics(results, inp)
+    for ds, m in metrics.items():
+        assert m[f"eval/{ds}/weight_version/mean"] == 5
+        assert m[f"eval/{ds}/weight_version/mixed_version_ratio"] == 0
+        assert m[f"eval/{ds}"] == sum(r or 0 for r in results.data[ds].rewards) / 6
+
+
+async def test_attached_server_is_pinned_and_survives_dispose(
+    attached_engine: EngineProcess, tiny_model: Path, tmp_path: Path
+) -> None:
+    snap = _snapshot(tiny_model, tmp_path, 8)
+    backend = SGLangCheckpointEval(url=attached_engine.url)
+    assert backend.launched is None
+    results = await backend.evaluate_checkpoint(snap, EvalInput(run="exp42", step=8, hf_dir=snap, suite=SMALL_SUITE))
+    backend.dispose()
+    assert attached_engine.proc.poll() is None, "dispose never stops an attached server"
+    assert httpx.get(f"{attached_engine.url}/health_generate", timeout=30).status_code == 200
+    assert _model_info(attached_engine.url)["weight_version"] == "8"
+    assert {v for r in results.data.values() for v in r.weight_versions} == {"8"}
+
+
+async def test_pin_failure_retries_then_skips(attached_engine: EngineProcess, tiny_model: Path, tmp_path: Path) -> None:
+    broken = Path(_snapshot(tiny_model, tmp_path, 9))
+    for shard in broken.glob("model-*.safetensors"):
+        shard.write_bytes(b"not safetensors")
+    backend = SGLangCheckpointEval(url=attached_engine.url)
+    inp = EvalInput(run="exp42", step=9, hf_dir=str(broken), suite=SMALL_SUITE)
+    with pytest.raises(EvalSkip) as info:
+        await backend.evaluate_checkpoint(str(broken), inp)
+    assert info.value.reason == "pin_violation" and "not verified after 2 attempts" in info.value.message
+    assert [p.attempt for p in backend.history.pins] == [1, 2]
+    assert not any(p.load_ok for p in backend.history.pins)
+    assert backend.history.generated == 0, "no eval after a failed pin"
+
+
+async def test_unreachable_attached_server_is_unhealthy(tmp_path: Path) -> None:
+    from tests.conftest import free_port
+
+    backend = SGLangCheckpointEval(url=f"http://127.0.0.1:{free_port()}", ready_timeout_s=1.0)
+    with pytest.raises(EvalSkip) as info:
+        await backend.evaluate_checkpoint("/nowhere", EvalInput(run="exp42", step=1, hf_dir="/x", suite=SMALL_SUITE))
+    assert info.value.reason == "unhealthy"
+
+
+# ---------------------------------------------------------------------------- inside Prefect
+
+
+class QuotaBackend(CheckpointEvalFn):
+    """A backend whose service refuses: an attributable `quota` skip."""
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
+        raise EvalSkip("quota", f"no credits for {input.run}/{input.weight_version}")
+
+
+@flow(name="external-task-probe")
+def external_probe(backend: str, checkpoint_dir: str, run: str, step: int, options: dict | None = None):
+    try:
+        return evaluate_external(backend, checkpoint_dir, run, step, SMALL_SUITE, options)
+    except EvalSkipped as skip:  # what eval_point does with it
+        return Completed(name="Skipped", message=f"{skip.reason}: {skip.message}")
+
+
+def test_task_in_a_flow_run_measures_and_publishes_samples(
+    prefect_server: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    snap = _snapshot(tiny_model, tmp_path, 12)
+    options = {"launch": "cpu", "model_path": str(tiny_model), "log_dir": str(tmp_path / "logs")}
+    state = external_probe(
+        "trainer_integration.sglang_backend:SGLangCheckpointEval", snap, "ext-run", 12, options, return_state=True
+    )
+    assert state.is_completed() and state.name == "Completed", state.message
+    metrics = state.result()
+    assert {ds: m[f"eval/{ds}/weight_version/mean"] for ds, m in metrics.items()} == {"arith_add": 12, "arith_sub": 12}
+    with get_client(sync_client=True) as c:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+        [art] = c.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[samples_artifact_key("ext-run", 12)]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+            )
+        )
+    rows = json.loads(art.data) if isinstance(art.data, str) else art.data
+    data = results_from_rows(rows)
+    assert {ds: set(r.weight_versions) for ds, r in data.items()} == {"arith_add": {"12"}, "arith_sub": {"12"}}
+
+
+def test_backend_quota_skip_is_skipped_quota(prefect_server: str) -> None:
+    state = external_probe(f"{__name__}:QuotaBackend", "/snap/step_3", "ext-run", 3, return_state=True)
+    assert state.is_completed() and state.name == "Skipped"
+    assert state.message.startswith("quota: no credits for ext-run/3")
+    assert skip_metric(state.message.split(":", 1)[0]) == "eval/skipped_quota"
