@@ -48,6 +48,7 @@ from pinned_eval.points import (
 )
 from pinned_eval.settings import PrefectApiSettings
 from trainer_integration.external import DatasetResult, results_from_rows, samples_artifact_key
+from trainer_integration.rest import auth_headers
 
 try:  # pragma: no cover - only where miles is installed
     from miles.rollout.base_types import RolloutFnEvalOutput
@@ -125,12 +126,8 @@ class AdapterConfig(BaseModel):
         return cls.model_validate({k: v for k, v in values.items() if v is not None})
 
     def headers(self) -> dict[str, str]:
-        if self.auth_string is not None:
-            import base64
-
-            token = base64.b64encode(self.auth_string.get_secret_value().encode()).decode()
-            return {"Authorization": f"Basic {token}"}
-        return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"} if self.api_key else {}
+        """Authorization as Prefect's client does it (basic auth string wins over a Bearer key)."""
+        return auth_headers(PrefectApiSettings.model_construct(api_key=self.api_key, api_auth_string=self.auth_string))
 
 
 class PointOutcome(BaseModel):
