@@ -17,6 +17,7 @@ from blocks._meta import DOCS_URL, LOGO_URL
 
 if TYPE_CHECKING:
     from pinned_eval.fleet.client import FleetClient
+    from pinned_eval.fleet.launcher import LaunchedFleet
 
 
 class FleetBlock(Block):
@@ -62,6 +63,9 @@ class FleetBlock(Block):
     sglang_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Per-fleet SGLang argument overrides applied over the base arguments."
     )
+    model_path: str | None = Field(
+        default=None, description="Checkpoint launched engines boot from (launch mode); every pin reloads."
+    )
     request_concurrency: int = Field(
         default=32, ge=1, le=4096, description="Most generate requests in flight against this fleet."
     )
@@ -101,3 +105,31 @@ class FleetBlock(Block):
             return FleetClient(self.engine_urls, self.router_url, config=config)
         launched = LaunchedFleet.load(Path(str(self.state_file)), api_key=config.api_key)
         return FleetClient(launched.engine_urls, launched.router_url, config=config, reviver=launched)
+
+    def launch(self, *, ready_timeout_s: float = 1800.0) -> LaunchedFleet:
+        """Start this fleet (launch mode): `engines` CPU engines, or SGLang engines with
+        `gpus_per_engine` GPUs each from `base_sglang_args` + `sglang_overrides`, behind
+        sglang-router; the state file lets any process revive or stop them."""
+        from pinned_eval.fleet.launcher import launch_cpu_fleet, launch_sglang_fleet
+        from pinned_eval.fleet.sglang_args import SGLangFleetSpec
+
+        if self.mode != "launch" or not self.model_path:
+            raise ValueError("launch: needs mode 'launch' and `model_path`")
+        state = Path(str(self.state_file))
+        api_key = self.api_key.get_secret_value() if self.api_key else None
+        if self.backend == "cpu":
+            admin = self.admin_api_key.get_secret_value() if self.admin_api_key else None
+            return launch_cpu_fleet(
+                self.model_path, self.engines, state_file=state, api_key=api_key, admin_api_key=admin,
+                ready_timeout_s=ready_timeout_s,
+            )  # fmt: skip
+        spec = SGLangFleetSpec(
+            model_path=self.model_path,
+            num_gpus=self.engines * self.gpus_per_engine,
+            gpus_per_engine=self.gpus_per_engine,
+            base_args=self.base_sglang_args,
+            overrides=self.sglang_overrides,
+        )
+        return launch_sglang_fleet(
+            spec, log_dir=state.parent / "logs", state_file=state, api_key=api_key, ready_timeout_s=ready_timeout_s
+        )

@@ -56,3 +56,19 @@ def test_existing_limit_size_is_kept(prefect_server: str) -> None:
     ensure_limit(inflight_limit_name(run), 1)
     with get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(inflight_limit_name(run)).limit == 3
+
+
+def test_blocks_register_with_the_prefect_cli(prefect_server: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PREFECT_API_URL=prefect_server)
+    out = subprocess.run(
+        [sys.executable, "-m", "prefect", "block", "register", "-m", "blocks"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    with get_client(sync_client=True) as c:
+        slugs = {bt.slug for bt in c.read_block_types()}
+    assert {"pinned-eval-fleet", "pinned-eval-staging", "pinned-eval-suite", "pinned-eval-sinks"} <= slugs

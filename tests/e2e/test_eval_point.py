@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 from prefect.artifacts import Artifact
+from prefect.variables import Variable
 
 from blocks import FleetBlock, StagingBlock
 from flows.eval_point import eval_point
-from pinned_eval.points import history_artifact_key
+from pinned_eval.points import history_artifact_key, progress_variable_name
 from pinned_eval.sinks import JsonlSink
 from tasks.admission import admitted
 from tests.conftest import free_port
@@ -42,6 +43,7 @@ def staged(env: PointEnv, step: int, tiny: Path, **kw: object) -> dict[str, str]
 def test_measured_point_pins_exactly_its_step(prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path) -> None:
     fleet = FleetBlock(name="measured", mode="launch", state_file=str(cpu_fleet.state_file))
     point_env = save_point_blocks(tmp_path, fleet, wandb=True)
+    Variable.set(progress_variable_name(point_env.run), 10, overwrite=True)  # the trainer is at step 10
     state, fr = run_point(point_env, 7, source=staged(point_env, 7, tiny_model))
     assert state.is_completed() and state.name == "Completed", state.message
     assert fr.name == f"{point_env.run}/step-7"
@@ -54,6 +56,7 @@ def test_measured_point_pins_exactly_its_step(prefect_server: str, cpu_fleet, tm
         assert r.metrics[f"eval/{ds}/weight_version/mean"] == 7
         assert r.metrics[f"eval/{ds}/weight_version/mixed_version_ratio"] == 0
         assert r.metrics["eval/step"] == 7
+        assert r.metrics["eval/lag_steps"] == 3
     history = Artifact.get(history_artifact_key(point_env.run))
     assert history is not None
     table = json.loads(history.data) if isinstance(history.data, str) else history.data
