@@ -203,23 +203,24 @@ class EvalClient:
             return {s for s in self._requested if s not in self._known} | {e.step for e in self.spool.pending()}
 
     def _admit(self, step: int, final: bool) -> tuple[str, int, float, bool]:
-        """('ok'|'busy'|'exists', in_flight, waited_s, offline)."""
-        started = time.monotonic()
+        """('ok'|'busy'|'exists', points in flight, seconds waited for a slot, admitted offline)."""
+        waited = 0.0
         while True:
             try:
                 busy = self.in_flight()
             except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
                 log.warning("pinned-eval: admission of %s step %d without the API (%s)", self.run, step, exc)
-                return "ok", len(self._local_in_flight() - {step}), time.monotonic() - started, True
+                return "ok", len(self._local_in_flight() - {step}), waited, True
             with self._lock:
                 if step in self._known or step in self._requested:
-                    return "exists", len(busy - {step}), time.monotonic() - started, False
+                    return "exists", len(busy - {step}), waited, False
             others = busy - {step}
             if len(others) < self.max_in_flight:
-                return "ok", len(others), time.monotonic() - started, False
+                return "ok", len(others), waited, False
             if self.policy == "skip" and not final:
-                return "busy", len(others), time.monotonic() - started, False
+                return "busy", len(others), waited, False
             time.sleep(self.poll_s)
+            waited += self.poll_s
 
     # ---- dispatch ------------------------------------------------------------------------------
 
