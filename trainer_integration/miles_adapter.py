@@ -55,7 +55,7 @@ try:  # pragma: no cover - only where miles is installed
     from miles.rollout.checkpoint_eval import CheckpointEvalFn as _MilesBase
     from miles.rollout.checkpoint_eval import EvalSkip as MilesEvalSkip
 except ImportError:
-    _MilesBase = object  # type: ignore[assignment,misc]
+    _MilesBase = object
 
     class MilesEvalSkip(Exception):  # type: ignore[no-redef]
         """miles' `EvalSkip` look-alike: an attributable skip with `.reason`."""
@@ -108,8 +108,10 @@ class AdapterConfig(BaseModel):
     def from_args(cls, args: Any, environ: dict[str, str] | None = None) -> AdapterConfig:
         """Env `PINNED_EVAL_MILES_<FIELD>` (JSON for blocks/parameters), then `args.pinned_eval_<field>`."""
         env = os.environ if environ is None else environ
-        prefect = PrefectApiSettings(
-            **({} if environ is None else {k: v for k, v in env.items() if k.startswith("PREFECT_")})
+        prefect = (
+            PrefectApiSettings()
+            if environ is None
+            else PrefectApiSettings.model_validate({k: v for k, v in env.items() if k.startswith("PREFECT_")})
         )
         values: dict[str, Any] = {
             "api_url": prefect.api_url,
@@ -239,7 +241,7 @@ async def collect_point(rest: PinnedEvalREST, outcome: PointOutcome, step: int) 
     return RolloutFnEvalOutput(data={ds: res.to_miles() for ds, res in data.items()}, metrics=metrics)
 
 
-class PinnedEvalFn(_MilesBase):  # type: ignore[misc,valid-type]
+class PinnedEvalFn(_MilesBase):
     """miles `--eval-function-path` target: each checkpoint becomes one pinned-eval point."""
 
     def __init__(self, input: Any) -> None:

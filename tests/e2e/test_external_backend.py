@@ -161,3 +161,60 @@ def test_backend_quota_skip_is_skipped_quota(prefect_server: str) -> None:
     assert state.is_completed() and state.name == "Skipped"
     assert state.message.startswith("quota: no credits for ext-run/3")
     assert skip_metric(state.message.split(":", 1)[0]) == "eval/skipped_quota"
+
+
+# ---------------------------------------------------------------------------- the eval-point flow, posture external
+
+WIRING = pytest.mark.skip(
+    reason="waiting for the flow wiring"
+)  # eval_point(posture="external", backend=..., backend_options=...)
+
+
+def _external_env(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from blocks import FleetBlock
+    from tests.conftest import free_port
+    from tests.pointkit import save_point_blocks
+
+    dead = [f"http://127.0.0.1:{free_port()}"]  # the external posture never touches the fleet
+    return save_point_blocks(tmp_path, FleetBlock(name="ext", mode="attach", engine_urls=dead, router_url=dead[0]))
+
+
+@WIRING
+def test_eval_point_external_posture_measures_its_step(prefect_server: str, tiny_model: Path, tmp_path: Path) -> None:
+    from flows.eval_point import eval_point
+    from pinned_eval.sinks import JsonlSink
+
+    env = _external_env(tmp_path)
+    snap = _snapshot(tiny_model, tmp_path, 14)
+    options = {"launch": "cpu", "model_path": str(tiny_model), "log_dir": str(tmp_path / "logs")}
+    state = eval_point(
+        **env.params(14, source={"kind": "hf", "path": snap}, posture="external"),
+        backend="trainer_integration.sglang_backend:SGLangCheckpointEval",
+        backend_options=options,
+        return_state=True,
+    )
+    assert state.is_completed() and state.name == "Completed", state.message
+    rows = JsonlSink(env.jsonl).read(env.run)
+    assert {r.dataset for r in rows} == {"arith_add", "arith_sub"}
+    for r in rows:
+        assert r.state == "measured" and r.weight_version == "14"
+        assert r.metrics[f"eval/{r.dataset}/weight_version/mean"] == 14
+        assert r.metrics[f"eval/{r.dataset}/weight_version/mixed_version_ratio"] == 0
+
+
+@WIRING
+def test_eval_point_external_quota_is_skipped_quota(prefect_server: str, tiny_model: Path, tmp_path: Path) -> None:
+    from flows.eval_point import eval_point
+    from pinned_eval.sinks import JsonlSink
+
+    env = _external_env(tmp_path)
+    snap = _snapshot(tiny_model, tmp_path, 15)
+    state = eval_point(
+        **env.params(15, source={"kind": "hf", "path": snap}, posture="external"),
+        backend=f"{__name__}:QuotaBackend",
+        return_state=True,
+    )
+    assert state.is_completed() and state.name == "Skipped" and state.message.startswith("quota"), state.message
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    assert row.state == "skipped" and row.reason == "quota"
+    assert row.metrics["eval/skipped_quota"] == 1 and row.metrics["eval/step"] == 15

@@ -117,3 +117,24 @@ async def _collect(api_url: str, run: str, flow_run_id: str, step: int):  # type
     async with httpx.AsyncClient(timeout=30) as http:
         rest = PinnedEvalREST(config, http)
         return await collect_point(rest, await rest.wait(flow_run_id), step)
+
+
+@pytest.mark.skip(
+    reason="waiting for the flow wiring"
+)  # eval_point(posture="external", backend=..., backend_options=...)
+def test_deployed_external_point_returns_miles_shaped_results(
+    dead_fleet_env: PointEnv, deployed: Deployed, tiny_model: Path, tmp_path: Path
+) -> None:
+    hf_dir = write_step_snapshot(tiny_model, str(tmp_path / "step_16"))
+    options = {"launch": "cpu", "model_path": str(tiny_model), "log_dir": str(tmp_path / "logs")}
+    fn = miles_fn(
+        dead_fleet_env,
+        deployed.api_url,
+        posture="external",
+        parameters={"backend": BACKEND, "backend_options": options},
+    )
+    out = asyncio.run(fn(eval_input(16, hf_dir)))
+    assert set(out.data) == {"arith_add", "arith_sub"}
+    for ds, d in out.data.items():
+        assert len(d["rewards"]) == len(d["truncated"]) == 6 and set(d["weight_versions"]) == {"16"}
+        assert out.metrics[f"eval/{ds}/weight_version/mean"] == 16

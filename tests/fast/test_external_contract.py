@@ -275,3 +275,8 @@ async def test_adapter_refuses_train_calls_and_missing_snapshots(monkeypatch: py
     with pytest.raises(ValueError, match="no snapshot"):
         await fn(SimpleNamespace(rollout_id=3, evaluation=True, hf_dir=None))
     assert issubclass(MilesEvalSkip, Exception)
+
+
+def test_adapter_basic_auth_wins_over_bearer() -> None:
+    cfg = AdapterConfig(api_url="http://x/api", run="exp42", api_key="k", auth_string="user:pass")
+    assert cfg.headers() == {"Authorization": "Basic dXNlcjpwYXNz"}
