@@ -209,8 +209,12 @@ class EvalClient:
             try:
                 busy = self.in_flight()
             except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
+                local = self._local_in_flight() - {step}
+                with self._lock:
+                    if step in self._known or step in self._requested:
+                        return "exists", len(local), waited, True
                 log.warning("pinned-eval: admission of %s step %d without the API (%s)", self.run, step, exc)
-                return "ok", len(self._local_in_flight() - {step}), waited, True
+                return "ok", len(local), waited, True
             with self._lock:
                 if step in self._known or step in self._requested:
                     return "exists", len(busy - {step}), waited, False

@@ -1,0 +1,211 @@
+"""Trainer-side pieces without a Prefect server: the spool on a real filesystem, event and skip
+record shapes, auth headers and delivery order against a real HTTP server on 127.0.0.1 that
+records every request, and the offline path against a closed port."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pinned_eval.events import BlockNames
+from pinned_eval.points import EVENT_REQUESTED, PointRequest, SnapshotSource, point_event_id
+from pinned_eval.settings import PrefectApiSettings
+from tests.conftest import free_port
+from trainer_integration.client import EvalClient
+from trainer_integration.events import Delivery, event_entry, skip_record_entry
+from trainer_integration.rest import PrefectRest, api_client, auth_headers
+from trainer_integration.spool import Deliverer, Spool, SpoolEntry
+
+SOURCE = SnapshotSource(kind="hf", path="/ckpt/step_7", require_marker=False)
+
+
+def request(step: int, **kw: Any) -> PointRequest:
+    return PointRequest(run="exp42", step=step, source=SOURCE, **kw)
+
+
+@dataclass
+class Recorder:
+    """What the local HTTP server saw, and what it answers next (default 204)."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    statuses: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@pytest.fixture
+def http_server() -> Iterator[tuple[str, Recorder]]:
+    rec = Recorder()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _handle(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with rec.lock:
+                status = rec.statuses.pop(0) if rec.statuses else 204
+                rec.requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": dict(self.headers),
+                        "json": json.loads(body) if body else None,
+                        "status": status,
+                    }
+                )
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_PATCH = do_GET = _handle
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/api", rec
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ---- spool -------------------------------------------------------------------------------------
+
+
+def test_spool_survives_reopen_in_order(tmp_path: Path):
+    spool = Spool(tmp_path / "s")
+    for step in (3, 1, 2):
+        spool.append(event_entry(request(step), BlockNames()))
+    reopened = Spool(tmp_path / "s")
+    assert [e.step for e in reopened.pending()] == [3, 1, 2]
+    assert [e.seq for e in reopened.pending()] == [1, 2, 3]
+    nxt = reopened.append(event_entry(request(9), BlockNames()))
+    assert nxt.seq == 4  # numbering continues after a restart, so order is kept
+    first = reopened.pending()[0]
+    reopened.remove(first)
+    reopened.reject(reopened.pending()[0], "HTTP 422")
+    assert [e.step for e in Spool(tmp_path / "s").pending()] == [2, 9]
+    [(rejected, why)] = reopened.rejected()
+    assert rejected.step == 1 and why == "HTTP 422"
+    assert not list((tmp_path / "s").glob(".tmp-*"))  # no half-written entry left behind
+
+
+def test_deliverer_keeps_order_across_failures_and_sets_rejects_aside(tmp_path: Path, http_server):
+    api, rec = http_server
+    # 503 twice (outage), then a 422 for the third entry delivered, the rest succeed
+    rec.statuses = [503, 503, 204, 204, 422, 204, 204]
+    spool = Spool(tmp_path / "s")
+    rest = PrefectRest(api, httpx.Client(timeout=5))
+    for step in range(5):
+        spool.append(event_entry(request(step), BlockNames()))
+    deliverer = Deliverer(spool, Delivery(rest), backoff_s=(0.05, 0.1))
+    deliverer.start()
+    try:
+        assert deliverer.flush(20)
+    finally:
+        deliverer.stop()
+    steps_sent = [r["json"][0]["payload"]["step"] for r in rec.requests]
+    # retried in place: 0, 0, 0 (ok), 1 (ok), 2 (422 → set aside), 3, 4 — never reordered
+    assert steps_sent == [0, 0, 0, 1, 2, 3, 4]
+    assert not spool.pending()
+    assert [e.step for e, _ in spool.rejected()] == [2]
+    assert all(r["path"] == "/api/events" for r in rec.requests)
+
+
+# ---- shapes ------------------------------------------------------------------------------------
+
+
+def test_event_entry_shape():
+    req = request(120, final=True, policy="skip", max_in_flight=3, export_time_seconds=1.5)
+    entry = event_entry(req, BlockNames(suite="s1", sinks="k1"))
+    ev = entry.body
+    assert ev["id"] == entry.key == str(point_event_id("exp42", 120))
+    assert uuid.UUID(ev["id"]).version == 5
+    assert ev["event"] == EVENT_REQUESTED
+    assert ev["resource"]["prefect.resource.id"] == "pinned-eval.run.exp42"
+    p = ev["payload"]
+    assert (p["run"], p["step"], p["final"], p["policy"], p["max_in_flight"]) == ("exp42", 120, True, "skip", 3)
+    assert p["source"] == {"kind": "hf", "path": "/ckpt/step_7", "hf_base": None, "require_marker": False}
+    assert p["blocks"] == {"suite": "s1", "fleet": "default", "staging": "default", "sinks": "k1"}
+
+
+def test_skip_record_is_a_named_tagged_completed_skipped_run():
+    entry = skip_record_entry(request(8), BlockNames(sinks="k1"), "busy", "step 8: 2 points in flight")
+    body = entry.body
+    assert body["name"] == "exp42/step-8"
+    assert body["tags"] == ["run:exp42", "step:8"]
+    assert body["state"] == {"type": "COMPLETED", "name": "Skipped", "message": "busy: step 8: 2 points in flight"}
+    assert body["parameters"]["step"] == 8 and body["parameters"]["sinks"] == "k1"
+    assert body["idempotency_key"] == entry.key == f"pinned-eval-skip:{point_event_id('exp42', 8)}"
+
+
+def test_shared_posture_needs_no_source_but_fleet_does():
+    assert PointRequest(run="exp42", step=1, posture="shared").source is None
+    with pytest.raises(ValueError, match="source"):
+        PointRequest(run="exp42", step=1)
+
+
+# ---- auth --------------------------------------------------------------------------------------
+
+
+def test_auth_string_wins_over_api_key_on_the_wire(http_server, monkeypatch: pytest.MonkeyPatch):
+    api, rec = http_server
+    monkeypatch.setenv("PREFECT_API_KEY", "pnu_secret")
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:pass")
+    Delivery(PrefectRest(api, api_client(PrefectApiSettings())))(event_entry(request(1), BlockNames()))
+    monkeypatch.delenv("PREFECT_API_AUTH_STRING")
+    Delivery(PrefectRest(api, api_client(PrefectApiSettings())))(event_entry(request(2), BlockNames()))
+    basic, bearer = (r["headers"]["Authorization"] for r in rec.requests)
+    assert basic == "Basic " + base64.b64encode(b"admin:pass").decode()
+    assert bearer == "Bearer pnu_secret"
+    monkeypatch.delenv("PREFECT_API_KEY")
+    assert auth_headers(PrefectApiSettings()) == {}
+
+
+def test_webhook_gets_the_bare_event_with_bearer(http_server, monkeypatch: pytest.MonkeyPatch):
+    api, rec = http_server
+    monkeypatch.setenv("PREFECT_API_KEY", "pnu_secret")
+    hook = api.removesuffix("/api") + "/hooks/abc123"
+    delivery = Delivery(PrefectRest(api, api_client(PrefectApiSettings())), webhook_url=hook)
+    delivery(event_entry(request(4), BlockNames()))
+    [r] = rec.requests
+    assert r["path"] == "/hooks/abc123" and r["headers"]["Authorization"] == "Bearer pnu_secret"
+    assert r["json"]["event"] == EVENT_REQUESTED and r["json"]["payload"]["step"] == 4  # an object, not a list
+
+
+# ---- offline -----------------------------------------------------------------------------------
+
+
+def test_unreachable_api_admits_and_spools_without_raising(tmp_path: Path):
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    with EvalClient("exp42", dead, spool_dir=tmp_path / "spool", max_in_flight=1, policy="skip") as client:
+        results = [client.dispatch(step, source=SOURCE) for step in (1, 2)]
+        client.report_progress(2)
+        assert [r.action for r in results] == ["requested", "requested"]
+        assert all(r.admitted_offline for r in results)
+        # the second is admitted although the bound is 1: offline, the flow's own limit decides
+        assert results[1].in_flight == 1
+        assert client.dispatch(1, source=SOURCE).action == "exists"  # no second request for a step
+    pending: list[SpoolEntry] = Spool(tmp_path / "spool" / "exp42").pending()
+    assert [e.step for e in pending] == [1, 2]  # kept for the next process to deliver
+
+
+def test_trainer_integration_imports_without_prefect():
+    code = (
+        "import sys, trainer_integration.client, trainer_integration.spool, trainer_integration.events;"
+        "bad = sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'));"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
