@@ -7,7 +7,8 @@ Framework-agnostic; the caller supplies
   group returns; under `group` granularity it is None. Extra or missing calls are harmless: a
   group's unreported samples are released when the group returns.
 - a data source: `get_group()` → one flat prompt group; `recycle(group)` takes a reset prompt
-  group back (both may be sync or async).
+  group back (both may be sync or async). `get_group` runs on the worker, so it must not block
+  indefinitely (an exhausted source should raise: the next drain then fails with that error).
 - optionally a dynamic filter `keep(group) -> bool | FilterVerdict` and an in-place sample filter
   over the assembled batch.
 
@@ -23,7 +24,8 @@ Invariants:
 - `get_batch()` returns exactly `rollout_batch_size` groups of `n_samples_per_prompt` entries,
   sorted by the first sample's index, plus the window's metrics. A failed group kills the worker;
   the next drain raises that exception even with groups buffered. A warning is logged every
-  `stall_warning_s` without a finished group.
+  `stall_warning_s` without a finished group. A cancelled `get_batch` keeps what it collected for
+  the next one.
 - `close()` cancels the worker and every in-flight group and waits for them.
 """
 
@@ -152,6 +154,7 @@ class FullyAsyncProducer:
         self._draining = False
         self._closed = False
         self._pending_recycles: set[asyncio.Task[Any]] = set()
+        self._carry: list[Group] = []
         self._reset_window()
 
     # ---- trainer-facing API -------------------------------------------------------------------
@@ -225,17 +228,13 @@ class FullyAsyncProducer:
         )
 
     async def _drain(self) -> RolloutBatch:
-        cfg = self.config
         t0 = time.monotonic()
-        groups: list[Group] = []
-        while len(groups) < cfg.rollout_batch_size:
-            item = await self._next_item()
-            if len(item.group) != cfg.n_samples_per_prompt:
-                raise RuntimeError(
-                    f"generated group has {len(item.group)} entries, expected n_samples_per_prompt="
-                    f"{cfg.n_samples_per_prompt}"
-                )
-            groups.append(item.group)
+        groups, self._carry = self._carry, []
+        try:
+            await self._collect_watching_worker(groups)
+        except asyncio.CancelledError:
+            self._carry = groups  # a cancelled drain loses nothing: the next one starts with these
+            raise
         wait_s = time.monotonic() - t0
         groups.sort(key=lambda g: first_sample(g).index)
         if self._sample_filter is not None:
@@ -249,25 +248,39 @@ class FullyAsyncProducer:
         )
         return RolloutBatch(groups=groups, metrics=self._metrics(wait_s, len(groups)))
 
-    async def _next_item(self) -> BufferItem:
-        worker, buffer = self._worker, self._buffer
-        assert worker is not None and buffer is not None
-        if worker.done():
+    async def _collect_watching_worker(self, groups: list[Group]) -> None:
+        """Fill `groups` from the buffer while watching the worker (one task per drain, not per group)."""
+        worker = self._worker
+        assert worker is not None
+        if worker.done():  # a dead worker fails the step even with a backlog
             raise self._worker_failure(worker)
-        get = asyncio.ensure_future(buffer.get(current_version=self._weight_version))
+        collect = asyncio.ensure_future(self._collect(groups))
         try:
+            seen = 0
             while True:
-                done, _ = await asyncio.wait(
-                    {get, worker}, timeout=self.config.stall_warning_s, return_when=asyncio.FIRST_COMPLETED
+                await asyncio.wait(
+                    {collect, worker}, timeout=self.config.stall_warning_s, return_when=asyncio.FIRST_COMPLETED
                 )
-                if worker.done():  # checked first: a dead worker fails the step even with a backlog
+                if worker.done():  # checked first, as above
                     raise self._worker_failure(worker)
-                if get in done:
-                    return get.result()
-                logger.warning("No completed rollout groups for %.1fs", self.config.stall_warning_s)
+                if collect.done():
+                    collect.result()
+                    return
+                if len(groups) == seen:
+                    logger.warning("No completed rollout groups for %.1fs", self.config.stall_warning_s)
+                seen = len(groups)
         finally:
-            if not get.done():
-                get.cancel()
+            if not collect.done():
+                collect.cancel()
+
+    async def _collect(self, groups: list[Group]) -> None:
+        buffer, n = self._buffer, self.config.n_samples_per_prompt
+        assert buffer is not None
+        while len(groups) < self.config.rollout_batch_size:
+            item = await buffer.get(current_version=self._weight_version)
+            if len(item.group) != n:
+                raise RuntimeError(f"generated group has {len(item.group)} entries, expected n_samples_per_prompt={n}")
+            groups.append(item.group)
 
     @staticmethod
     def _worker_failure(worker: asyncio.Task[None]) -> BaseException:

@@ -78,8 +78,14 @@ class FakeSource:
 class FakeGenerate:
     """Stands in for the engines: records calls and callbacks; `release` (if given) gates returns."""
 
-    def __init__(self, release: asyncio.Event | None = None, result: Callable[[int, Group], Group] | None = None):
+    def __init__(
+        self,
+        release: asyncio.Event | None = None,
+        result: Callable[[int, Group], Group] | None = None,
+        per_call: dict[int, asyncio.Event] | None = None,
+    ):
         self.release = release
+        self.per_call = per_call or {}
         self.result = result
         self.calls: list[Group] = []
         self.callbacks: list[Callable[[], None] | None] = []
@@ -90,7 +96,9 @@ class FakeGenerate:
         self.callbacks.append(sample_done)
         call_no = len(self.calls)
         try:
-            if self.release is not None:
+            if call_no in self.per_call:
+                await self.per_call[call_no].wait()
+            elif self.release is not None:
                 await self.release.wait()
             else:
                 await asyncio.sleep(0)
@@ -607,6 +615,23 @@ async def test_close_cancels_in_flight_groups() -> None:
         await drain
     with pytest.raises(RuntimeError, match="closed"):
         await producer.get_batch()
+
+
+async def test_cancelled_drain_keeps_its_groups_for_the_next_one() -> None:
+    second = asyncio.Event()
+    generate = FakeGenerate(per_call={2: second})
+    producer = make_producer(FakeSource(), generate, rollout_batch_size=2, max_concurrent_samples=N)
+    drain = asyncio.create_task(producer.get_batch())
+    await until(lambda: len(generate.calls) == 2)  # call 1 finished (and was collected), call 2 blocks
+    await settle()
+    drain.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await drain
+
+    second.set()
+    batch = await producer.get_batch()
+    assert [g[0].group_index for g in batch.groups] == [1001, 1002]
+    await producer.close()
 
 
 def test_get_batch_on_another_loop_is_refused() -> None:
