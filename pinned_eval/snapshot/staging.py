@@ -198,10 +198,10 @@ class Staging:
     def delete(self, path: str) -> None:
         """Delete one snapshot strictly below the root: marker first, then everything else."""
         fs_path = self._confine(path)
-        marker = join(self.fs, fs_path, MARKER)
-        if self.fs.exists(marker):
-            self.fs.rm_file(marker)
-        if self.fs.exists(fs_path):
+        # Two points of one run may retire at once and race to delete the same old snapshot.
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(join(self.fs, fs_path, MARKER))
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(fs_path, recursive=True)
 
     def retire(self, path: str, owned: bool) -> RetireResult:

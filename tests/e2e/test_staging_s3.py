@@ -227,3 +227,30 @@ def test_materialize_cache_is_bounded(env: Env) -> None:
     _write(env, 2, seed=5)  # re-exported at the same URL: the cached copy is replaced
     fresh = env.staging.materialize(b)
     assert (fresh / MARKER).read_bytes() == env.read(b, MARKER) and not (fresh / "sentinel").exists()
+
+
+def test_cli_on_s3_with_aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # noqa: F811
+    from typer.testing import CliRunner
+
+    from pinned_eval.cli import app
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    root = f"s3://{s3_server.make_bucket()}/stage"
+    base = tiny_hf_base(tmp_path / "base")
+    save_file(perturbed_state_dict(base, seed=1), str(tmp_path / "w.safetensors"))
+    url = f"{root}/exp9/step_00000003"
+    ep = ["--endpoint-url", s3_server.endpoint_url]
+    runner = CliRunner()
+    r = runner.invoke(app, ["export", "--state-dict", str(tmp_path / "w.safetensors"), "--hf-base", str(base),
+                            "--out", url, "--max-shard-size", "200KB", *ep])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["snapshot", "check", url, *ep])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["snapshot", "ls", root, *ep])
+    assert r.exit_code == 0 and r.stdout.splitlines()[1].split()[:4] == ["exp9", "3", "True", "False"]
+    fs, p = resolve(url, s3_server.storage_options)
+    fs.rm_file(f"{p}/{MARKER}")
+    r = runner.invoke(app, ["snapshot", "check", url, *ep])
+    assert r.exit_code == 1 and "missing_marker" in r.stderr

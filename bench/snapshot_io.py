@@ -1,0 +1,203 @@
+"""Snapshot I/O, each figure a ratio measured side by side in one run on the same bytes.
+
+1. export: `write_snapshot` (local dir, fsync'd shards) vs a raw `numpy.tofile` of the same tensor
+   bytes into one file (+ fsync) — goal >= 0.85;
+2. S3 upload: `Staging.put` (s3fs, marker last) vs boto3 `upload_file` of the same files to the
+   same moto server (a separate `moto_server` process on 127.0.0.1) — goal >= 0.9;
+3. completeness check: 1 GiB vs 1 MiB snapshot with the same shard count, local and on S3 —
+   goal ~= 1 (header reads only, so size must not matter).
+
+`python -m bench.snapshot_io [--small]` (or `BENCH_SMALL=1 python -m bench snapshot_io`): --small
+uses 256 MiB instead of 1 GiB. Medians of `--repeats` runs, after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pinned_eval.snapshot.check import check_snapshot
+from pinned_eval.snapshot.staging import Staging
+from pinned_eval.snapshot.writer import write_snapshot
+
+MiB = 1 << 20
+KEY = SECRET = "bench"
+
+
+def _tensors(total_bytes: int, n: int) -> list[tuple[str, torch.Tensor]]:
+    per = total_bytes // n // 2  # bf16 elements per tensor
+    g = torch.Generator().manual_seed(0)
+    return [(f"layers.{i}.weight", torch.randn(per, generator=g).to(torch.bfloat16)) for i in range(n)]
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up, not counted
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _paired(this: Callable[[], object], ref: Callable[[], object], repeats: int,
+            before_this: Callable[[], object], before_ref: Callable[[], object]) -> tuple[float, float, float]:
+    """Time both on the same bytes, alternating which goes first (ABBA), each after its own cleanup.
+
+    Returns (median this s, median ref s, median of the per-round ratios ref/this): drift and noise
+    from other processes hit both sides of a round alike.
+    """
+    sides = {"this": (this, before_this, []), "ref": (ref, before_ref, [])}
+    for fn, before, _ in sides.values():  # warm-up: page allocation, connections
+        before()
+        fn()
+    for i in range(repeats):
+        for key in (("this", "ref") if i % 2 == 0 else ("ref", "this")):
+            fn, before, out = sides[key]
+            before()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    t_this, t_ref = sides["this"][2], sides["ref"][2]
+    ratios = [r / t for t, r in zip(t_this, t_ref, strict=True)]
+    return statistics.median(t_this), statistics.median(t_ref), statistics.median(ratios)
+
+
+def _raw_write(ts: list[tuple[str, torch.Tensor]], path: Path) -> None:
+    with open(path, "wb") as f:
+        for _, t in ts:
+            t.view(torch.uint8).numpy().tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    moto = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("moto_server did not start within 30 s")
+
+
+Row = tuple[str, float, float, str, str]
+
+
+def _export_rows(ts: list[tuple[str, torch.Tensor]], shard_bytes: int, repeats: int, work: Path) -> list[Row]:
+    snap, raw = work / "export", work / "raw.bin"
+    mib = sum(t.numel() * t.element_size() for _, t in ts) / MiB
+
+    t, r, ratio = _paired(lambda: write_snapshot(ts, str(snap), max_shard_bytes=shard_bytes),
+                          lambda: _raw_write(ts, raw), repeats,
+                          lambda: shutil.rmtree(snap, ignore_errors=True), lambda: raw.unlink(missing_ok=True))
+    shutil.rmtree(snap, ignore_errors=True)
+    raw.unlink(missing_ok=True)
+    return [("export: write_snapshot vs numpy.tofile (fsync'd, MiB/s)", mib / t, mib / r, f"{ratio:.2f}", ">= 0.85")]
+
+
+def _check_row(label: str, big: str, small: str, opts: dict | None, repeats: int) -> Row:
+    t_big = _median_time(lambda: check_snapshot(big, opts), repeats)
+    t_small = _median_time(lambda: check_snapshot(small, opts), repeats)
+    assert check_snapshot(big, opts).complete and check_snapshot(small, opts).complete
+    return (label, t_big * 1e3, t_small * 1e3, f"{t_big / t_small:.2f}", "~ 1")
+
+
+def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
+    import boto3
+
+    mib = total_bytes / MiB
+    shard_bytes = total_bytes // shards
+    ts = _tensors(total_bytes, shards * 4)
+    rows = _export_rows(ts, shard_bytes, repeats, work)
+    big, tiny = work / "big", work / "tiny"
+    write_snapshot(ts, str(big), max_shard_bytes=shard_bytes)
+    ts.clear()
+    write_snapshot(_tensors(MiB, shards * 4), str(tiny), max_shard_bytes=MiB // shards)
+    rows.append(_check_row(f"check local: {mib:.0f} MiB vs 1 MiB, {shards} shards (ms)",
+                           str(big), str(tiny), None, repeats * 10))
+
+    proc, endpoint = _start_moto()
+    try:
+        opts = {"key": KEY, "secret": SECRET, "endpoint_url": endpoint}
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+                              region_name="us-east-1")
+        client.create_bucket(Bucket="bench")
+        staging = Staging("s3://bench/stage", storage_options=opts, keep_snapshots=0)
+        files = sorted(p for p in big.iterdir() if p.is_file())
+
+        def wipe() -> None:  # moto holds objects in memory: one copy at a time
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench"):
+                for obj in page.get("Contents", []):
+                    client.delete_object(Bucket="bench", Key=obj["Key"])
+
+        def boto_upload() -> None:
+            for p in files:
+                client.upload_file(str(p), "bench", f"boto/{p.name}")
+
+        t, r, ratio = _paired(lambda: staging.put(big, "bench", 1), boto_upload, repeats, wipe, wipe)
+        rows.append(("S3 upload: Staging.put vs boto3 upload_file (MiB/s)", mib / t, mib / r,
+                     f"{ratio:.2f}", ">= 0.9"))
+
+        wipe()
+        big_s3, small_s3 = staging.put(big, "bench", 1), staging.put(tiny, "bench", 2)
+        rows.append(_check_row(f"check S3: {mib:.0f} MiB vs 1 MiB, {shards} shards (ms)",
+                               big_s3, small_s3, opts, repeats * 3))
+        shard_names = [p.name for p in files if p.name.endswith(".safetensors")]
+
+        def heads(url: str) -> Callable[[], object]:  # the same ranged GETs the check makes, via boto3
+            prefix = url.removeprefix("s3://bench/")
+            return lambda: [client.get_object(Bucket="bench", Key=f"{prefix}/{n}", Range="bytes=0-65535")["Body"].read()
+                            for n in shard_names]
+
+        t_big, t_small = _median_time(heads(big_s3), repeats * 3), _median_time(heads(small_s3), repeats * 3)
+        rows.append(("  moto alone: 64 KiB ranged GET of each shard, big vs small (ms)", t_big * 1e3,
+                     t_small * 1e3, f"{t_big / t_small:.2f}", "(server)"))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="bench.snapshot_io", description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", default=os.environ.get("BENCH_SMALL") == "1",
+                    help="256 MiB instead of 1 GiB")
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir)")
+    args = ap.parse_args(argv or [])
+    total = (256 if args.small else 1024) * MiB
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        rows = run(total, args.shards, args.repeats, Path(tmp))
+    print(f"snapshot_io: {total // MiB} MiB, {args.shards} shards, median of {args.repeats}")
+    print(f"| {'measure':<62} | {'this':>9} | {'reference':>9} | {'ratio':>5} | goal    |")
+    print(f"|{'-' * 64}|{'-' * 11}|{'-' * 11}|{'-' * 7}|---------|")
+    for name, this, ref, ratio, goal in rows:
+        print(f"| {name:<62} | {this:>9.1f} | {ref:>9.1f} | {ratio:>5} | {goal:<7} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
