@@ -98,7 +98,7 @@ class Delivery:
             resp = self.rest.http.post(self.webhook_url, json=event)
             _check(resp, f"webhook {event['event']}")
         else:
-            resp = self.rest._call("POST", "/events", json=[event])
+            resp = self.rest.post_events([event])
             _check(resp, f"POST /events {event['event']}")
 
     def _record_skip(self, entry: SpoolEntry) -> None:

@@ -108,6 +108,10 @@ class PrefectRest:
         runs = [_point_run(r) for r in raw.values() if "step" in (r.get("parameters") or {})]
         return sorted(runs, key=lambda r: (r.created, r.id))
 
+    def post_events(self, events: list[dict[str, Any]]) -> httpx.Response:
+        """`POST /events` (204 on success; the server de-duplicates by event id)."""
+        return self._call("POST", "/events", json=events)
+
     def deployment_id(self, flow_name: str, deployment_name: str) -> str:
         resp = self._call("GET", f"/deployments/name/{flow_name}/{deployment_name}")
         resp.raise_for_status()
