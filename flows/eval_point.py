@@ -12,7 +12,7 @@ retired on every outcome (keep-ring for owned snapshots, untouched otherwise), a
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
@@ -23,7 +23,9 @@ from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
 from pinned_eval.points import RUN_PATTERN, Posture, SnapshotSource, flow_run_name
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.skips import EvalSkipped, SkipReason
+from pinned_eval.suite import ResolvedDataset
 from tasks.admission import admitted, fleet_lock
+from tasks.external import evaluate_external
 from tasks.generate import generate
 from tasks.log import lag_steps, log_point, measured_rows, skip_rows
 from tasks.pin import pin_fleet, verify_shared
@@ -82,29 +84,28 @@ def eval_point(
     fleet: str = "default",
     staging: str = "default",
     sinks: str = "default",
+    backend: str | None = None,
+    backend_options: dict[str, Any] | None = None,
 ) -> State:
-    """Measure the weights of `run` at `step` (weight version `str(step)`) on the eval suite."""
-    _validate(run, step, source, posture)
+    """Measure the weights of `run` at `step` (weight version `str(step)`) on the eval suite.
+
+    `backend`/`backend_options`: the external posture's `CheckpointEvalFn` (dotted path) and its
+    constructor keywords (no secrets: flow parameters are visible in the UI).
+    """
+    _validate(run, step, source, posture, backend)
     started = time.monotonic()
     _tag_flow_run(run, step)
     cfg = PointConfig.load(suite, fleet, staging, sinks)
     store = cfg.staging.staging()
-    version = str(step)
     snapshot: Snapshot | None = None
     try:
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
             datasets = cfg.suite.resolved()
-            if posture is Posture.FLEET:
+            if posture is not Posture.SHARED:
                 assert source is not None
                 snapshot = export_snapshot(source, run, step, store)
                 snapshot = check_snapshot_task(snapshot, store)
-            with fleet_lock(cfg.fleet.lock_name):
-                if snapshot is not None:
-                    pin_fleet(cfg.fleet, str(snapshot.local_path), version)
-                else:
-                    verify_shared(cfg.fleet, version)
-                generations = generate(cfg.fleet, datasets, version, rid_prefix=f"{run}-{step}")
-            per_dataset = score(generations, datasets, cfg.suite.suite, version)
+            per_dataset = _measure(cfg, posture, snapshot, datasets, run, step, backend, backend_options)
             exported = snapshot.export_time_seconds if snapshot else None
             point = point_metrics(
                 step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
@@ -124,6 +125,31 @@ def eval_point(
             retire_snapshot(snapshot, store)
 
 
+def _measure(
+    cfg: PointConfig,
+    posture: Posture,
+    snapshot: Snapshot | None,
+    datasets: list[ResolvedDataset],
+    run: str,
+    step: int,
+    backend: str | None,
+    backend_options: dict[str, Any] | None,
+) -> dict[str, dict[str, float]]:
+    """Metrics per dataset of weight version `str(step)`: fleet (pin), shared (verify) or external."""
+    version = str(step)
+    if posture is Posture.EXTERNAL:
+        assert snapshot is not None and backend is not None
+        return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
+    with fleet_lock(cfg.fleet.lock_name):
+        if posture is Posture.FLEET:
+            assert snapshot is not None
+            pin_fleet(cfg.fleet, str(snapshot.local_path), version)
+        else:
+            verify_shared(cfg.fleet, version)
+        generations = generate(cfg.fleet, datasets, version, rid_prefix=f"{run}-{step}")
+    return score(generations, datasets, cfg.suite.suite, run, step)
+
+
 def _tag_flow_run(run: str, step: int) -> None:
     """Tag this run `run:<run>`, `step:<step>` (triggered runs start with the deployment's tags only)."""
     from prefect import get_client
@@ -134,14 +160,14 @@ def _tag_flow_run(run: str, step: int) -> None:
         client.update_flow_run(current.id, tags=tags)
 
 
-def _validate(run: str, step: int, source: SnapshotSource | None, posture: Posture) -> None:
+def _validate(run: str, step: int, source: SnapshotSource | None, posture: Posture, backend: str | None) -> None:
     import re
 
     if not re.match(RUN_PATTERN, run):
         raise ValueError(f"run: {run!r} must match {RUN_PATTERN}")
     if step < 0:
         raise ValueError(f"step: must be >= 0, got {step}")
-    if posture is Posture.FLEET and source is None:
-        raise ValueError("source: the fleet posture needs a snapshot source")
-    if posture is Posture.EXTERNAL:
-        raise ValueError("posture: 'external' runs through the CheckpointEvalFn backend, not this flow yet")
+    if posture is not Posture.SHARED and source is None:
+        raise ValueError(f"source: the {posture.value} posture needs a snapshot source")
+    if posture is Posture.EXTERNAL and not backend:
+        raise ValueError("backend: the external posture needs a CheckpointEvalFn (module:Class)")

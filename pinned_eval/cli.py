@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from pinned_eval.commands import engine, fleet, snapshot
+from pinned_eval.commands import engine, fleet, history, points, snapshot, stack
 
 app = typer.Typer(
     name="pinned-eval",
@@ -21,6 +21,14 @@ app.add_typer(fleet.app, name="fleet")
 app.add_typer(snapshot.app, name="snapshot")
 app.command("tiny-model")(engine.tiny_model)
 app.command("export")(snapshot.export)
+app.add_typer(stack.server_app, name="server")
+app.command("deploy")(stack.deploy)
+app.command("worker")(stack.worker)
+app.command("request")(points.request)
+app.command("rerun")(points.rerun)
+app.command("status")(history.status)
+app.command("report")(history.report)
+app.command("janitor")(history.janitor)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -73,6 +73,12 @@ class PointRequest(BaseModel):
     max_in_flight: int = Field(default=2, ge=1, le=64, description="In-flight bound of the run.")
     export_time_seconds: float | None = Field(
         default=None, ge=0, description="Seconds an in-loop export took, when the trainer exported."
+    )
+    backend: str | None = Field(
+        default=None, description="External posture: the CheckpointEvalFn as `module:Class`."
+    )
+    backend_options: dict[str, Any] | None = Field(
+        default=None, description="External posture: the backend's constructor keywords (no secrets)."
     )
 
     @model_validator(mode="after")

@@ -16,18 +16,22 @@ from prefect.cache_policies import NO_CACHE
 from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
 from pinned_eval.scoring.rewards import get_reward
 from pinned_eval.suite import EvalSuite, ResolvedDataset
+from tasks.external import record_point_samples
 from tasks.generate import Generation
+from trainer_integration.external import DatasetResult
 
 
 @task(cache_policy=NO_CACHE, task_run_name="score")
 def score(
-    generations: list[Generation], datasets: list[ResolvedDataset], suite: EvalSuite, weight_version: str
+    generations: list[Generation], datasets: list[ResolvedDataset], suite: EvalSuite, run: str, step: int
 ) -> dict[str, dict[str, float]]:
-    """Metrics per dataset name, each a dict of `eval/<ds>...` keys."""
+    """Metrics per dataset name, each a dict of `eval/<ds>...` keys; per-sample results are
+    published as the point's samples artifact (what the miles adapter reads back)."""
+    weight_version = str(step)
     by_ds: dict[str, list[Generation]] = defaultdict(list)
     for g in generations:
         by_ds[g.dataset].append(g)
-    out = {}
+    out, samples = {}, {}
     for ds in datasets:
         reward = get_reward(ds.reward)
         scored = [
@@ -43,6 +47,7 @@ def score(
             )
             for g in by_ds[ds.name]
         ]
+        samples[ds.name] = DatasetResult.from_scored(scored)
         out[ds.name] = dataset_metrics(
             ds.name,
             scored,
@@ -50,4 +55,5 @@ def score(
             pass_threshold=suite.pass_threshold,
             expected_version=weight_version,
         )
+    record_point_samples(run, step, samples)
     return out

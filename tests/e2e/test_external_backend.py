@@ -165,9 +165,6 @@ def test_backend_quota_skip_is_skipped_quota(prefect_server: str) -> None:
 
 # ---------------------------------------------------------------------------- the eval-point flow, posture external
 
-WIRING = pytest.mark.skip(
-    reason="waiting for the flow wiring"
-)  # eval_point(posture="external", backend=..., backend_options=...)
 
 
 def _external_env(tmp_path: Path):  # type: ignore[no-untyped-def]
@@ -179,7 +176,7 @@ def _external_env(tmp_path: Path):  # type: ignore[no-untyped-def]
     return save_point_blocks(tmp_path, FleetBlock(name="ext", mode="attach", engine_urls=dead, router_url=dead[0]))
 
 
-@WIRING
+
 def test_eval_point_external_posture_measures_its_step(prefect_server: str, tiny_model: Path, tmp_path: Path) -> None:
     from flows.eval_point import eval_point
     from pinned_eval.sinks import JsonlSink
@@ -202,7 +199,7 @@ def test_eval_point_external_posture_measures_its_step(prefect_server: str, tiny
         assert r.metrics[f"eval/{r.dataset}/weight_version/mixed_version_ratio"] == 0
 
 
-@WIRING
+
 def test_eval_point_external_quota_is_skipped_quota(prefect_server: str, tiny_model: Path, tmp_path: Path) -> None:
     from flows.eval_point import eval_point
     from pinned_eval.sinks import JsonlSink

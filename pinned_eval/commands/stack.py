@@ -1,0 +1,61 @@
+"""`pinned-eval server up|down`, `pinned-eval deploy`, `pinned-eval worker`: the local orchestration stack.
+
+State (PIDs, API URL) lives in `<home>/stack.json` (home: `PINNED_EVAL_HOME`, default
+`.pinned-eval`). Exit codes: 0 ok; 1 the operation failed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Annotated
+
+import typer
+
+from pinned_eval.settings import get_settings
+
+server_app = typer.Typer(help="A local Prefect server (SQLite, filesystem lease storage) on 127.0.0.1.",
+                         no_args_is_help=True)  # fmt: skip
+
+
+def _stack():  # type: ignore[no-untyped-def]
+    from pinned_eval.stack import LocalStack
+
+    return LocalStack(get_settings().home)
+
+
+@server_app.command("up")
+def server_up(port: Annotated[int | None, typer.Option(help="Port (default 4200 when free).")] = None) -> None:
+    """Start the server (or report the running one) and print its API URL."""
+    server = _stack().server_up(port)
+    typer.echo(f"Prefect UI: {server.ui_url}\nexport PREFECT_API_URL={server.api_url}")
+
+
+@server_app.command("down")
+def server_down() -> None:
+    """Stop the worker and the server this home started."""
+    stopped = _stack().down()
+    typer.echo("stopped: " + (", ".join(stopped) or "nothing was running"))
+
+
+def deploy() -> None:
+    """Register block types, create the `pinned-eval` work pool and deploy prefect.yaml."""
+    try:
+        _stack().deploy()
+    except RuntimeError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo("deployed eval-point (trigger: pinned-eval.point.requested)")
+
+
+def worker(
+    query_seconds: Annotated[int, typer.Option(help="How often the worker polls for runs.")] = 2,
+) -> None:
+    """Run a process worker on the `pinned-eval` pool in the foreground (Ctrl-C stops it)."""
+    from pinned_eval.stack import WORK_POOL, project_dir
+
+    env = dict(_stack().env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds))
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"]
+    os.chdir(project_dir())
+    raise typer.Exit(subprocess.call(cmd, env=env))

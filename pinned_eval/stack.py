@@ -1,0 +1,167 @@
+"""The local orchestration stack: a Prefect server, the deployments, a process worker.
+
+Whoever starts a process stops it by PID: `LocalStack` records every process it starts in a
+state file under its home, so `pinned-eval server down` (or the demo's exit) can stop them from
+another process. Nothing binds anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel
+
+from pinned_eval.prefect_server import ServerProcess, free_port, start_server, stop_server
+
+WORK_POOL = "pinned-eval"
+
+
+def project_dir() -> Path:
+    """The directory holding `prefect.yaml`: the working directory or one above it, else the source tree."""
+    for d in (Path.cwd(), *Path.cwd().parents):
+        if (d / "prefect.yaml").is_file() and (d / "flows" / "eval_point.py").is_file():
+            return d
+    here = Path(__file__).resolve().parents[1]
+    if (here / "prefect.yaml").is_file():
+        return here
+    raise FileNotFoundError("prefect.yaml not found: run from the pinned-eval project directory")
+
+
+class StackState(BaseModel):
+    server_pid: int | None = None
+    api_url: str | None = None
+    prefect_home: str | None = None
+    worker_pid: int | None = None
+
+
+class LocalStack:
+    """Server + deployments + worker of one home directory."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.state_file = home / "stack.json"
+
+    def state(self) -> StackState:
+        if not self.state_file.exists():
+            return StackState()
+        return StackState.model_validate_json(self.state_file.read_text())
+
+    def _save(self, state: StackState) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.state_file.write_text(state.model_dump_json(indent=2))
+
+    def env(self) -> dict[str, str]:
+        """Environment for Prefect clients and child processes of this stack."""
+        st = self.state()
+        if not st.api_url:
+            raise RuntimeError(f"no server recorded in {self.state_file}: run `pinned-eval server up`")
+        return dict(
+            os.environ,
+            PREFECT_API_URL=st.api_url,
+            PREFECT_HOME=str(st.prefect_home),
+            PINNED_EVAL_PROJECT_DIR=str(project_dir()),
+            PINNED_EVAL_HOME=str(self.home.resolve()),
+        )
+
+    def server_up(self, port: int | None = None) -> ServerProcess:
+        """Start the server, or return the one already recorded and healthy."""
+        st = self.state()
+        if st.api_url and st.server_pid and _healthy(st.api_url):
+            return ServerProcess(st.server_pid, st.api_url, Path(str(st.prefect_home)))
+        prefect_home = (self.home / "prefect").resolve()
+        server = start_server(prefect_home, port if port is not None else _preferred_port())
+        self._save(st.model_copy(update={"server_pid": server.pid, "api_url": server.api_url,
+                                         "prefect_home": str(prefect_home)}))  # fmt: skip
+        return server
+
+    def deploy(self) -> None:
+        """Register the block types, create the work pool, deploy `prefect.yaml`."""
+        env = self.env()
+        for args in (
+            ["block", "register", "-m", "blocks"],
+            ["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"],
+            ["--no-prompt", "deploy", "--all"],
+        ):
+            out = subprocess.run(
+                [sys.executable, "-m", "prefect", *args], cwd=project_dir(), env=env,
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            if out.returncode != 0:
+                raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+
+    def worker_up(self, *, query_seconds: int = 2) -> int:
+        st = self.state()
+        if st.worker_pid and _alive(st.worker_pid):
+            return st.worker_pid
+        env = dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
+                   PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds))  # fmt: skip
+        with open(self.home / "worker.log", "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+                cwd=project_dir(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self._save(st.model_copy(update={"worker_pid": proc.pid}))
+        return proc.pid
+
+    def down(self) -> list[str]:
+        """Stop the worker, then the server; returns what was stopped."""
+        st, stopped = self.state(), []
+        if st.worker_pid and _alive(st.worker_pid):
+            _stop_group(st.worker_pid, timeout_s=30)
+            stopped.append(f"worker {st.worker_pid}")
+        if st.server_pid and _alive(st.server_pid):
+            stop_server(st.server_pid)
+            stopped.append(f"server {st.server_pid}")
+        self._save(StackState(prefect_home=st.prefect_home))
+        return stopped
+
+
+def _preferred_port() -> int:
+    """4200 (Prefect's usual port) when it is free, else any free port."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", 4200))
+            return 4200
+        except OSError:
+            return free_port()
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        return httpx.get(f"{api_url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_group(pid: int, *, timeout_s: float) -> None:
+    """SIGTERM the process group (a worker cancels its runs), SIGKILL after the timeout."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    if _alive(pid):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def describe(stack: LocalStack) -> str:
+    return json.dumps(stack.state().model_dump(), indent=2)
