@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MARKER = ".complete"
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-MANIFEST_FORMAT = "pinned-eval-snapshot/1"
+MANIFEST_FORMAT: Literal["pinned-eval-snapshot/1"] = "pinned-eval-snapshot/1"
 EXPORT_ID_KEY = "pinned_eval_export_id"
 # Never copied from a base HF dir: weights in any format and their indexes.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".distcp")
@@ -53,7 +53,7 @@ class Manifest(BaseModel):
 class IndexMetadata(BaseModel):
     model_config = ConfigDict(extra="allow")
     total_size: int = Field(ge=0)
-    export_id: str | None = Field(default=None, alias=EXPORT_ID_KEY)
+    export_id: str | None = Field(default=None, alias="pinned_eval_export_id")  # = EXPORT_ID_KEY
 
 
 class Index(BaseModel):

@@ -157,7 +157,7 @@ class _Writer:
             for s in specs:
                 t = tensors[s.name]
                 if t.numel():
-                    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # zero-copy buffer
             if self.local:
                 _fsync_local(f)
         self.written[fname] = len(head) + sum(s.nbytes for s in specs)
