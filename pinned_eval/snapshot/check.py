@@ -2,7 +2,7 @@
 
 `check_snapshot` answers `complete=True` only when every one of these holds, checked in this order
 (the first failure is reported as a typed `SnapshotProblem`):
-1. `.complete` exists (`missing_marker`);
+1. `.complete` exists (`missing_marker`; waived by `require_marker=False` for base checkpoints);
 2. the index exists and parses (`missing_index`, `bad_index`); a snapshot with a single
    `model.safetensors` and no index is read as one shard;
 3. every shard named by the index exists (`missing_shard`); its 8-byte length and JSON header
@@ -178,11 +178,11 @@ def _listing(fs: AbstractFileSystem, root: str) -> dict[str, dict[str, Any]]:
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e["type"] == "file"}
 
 
-def _check(fs: AbstractFileSystem, root: str) -> tuple[int, int]:
+def _check(fs: AbstractFileSystem, root: str, require_marker: bool) -> tuple[int, int]:
     files = _listing(fs, root)
     if not files:
         raise _Incomplete(P.MISSING_MARKER, f"no snapshot files at {to_url(fs, root)}")
-    if MARKER not in files:
+    if MARKER not in files and require_marker:
         raise _Incomplete(P.MISSING_MARKER, f"{MARKER} is missing")
 
     index_bytes: bytes | None = None
@@ -234,7 +234,8 @@ def _check(fs: AbstractFileSystem, root: str) -> tuple[int, int]:
         raise _Incomplete(P.TOTAL_SIZE_MISMATCH,
                           f"shards hold {data_bytes} tensor bytes, index says total_size {total_size}")
 
-    _check_marker(fs, root, files, index_bytes, index_export_id, headers)
+    if MARKER in files:
+        _check_marker(fs, root, files, index_bytes, index_export_id, headers)
     return total_size, len(shard_names)
 
 
@@ -268,12 +269,18 @@ def _check_marker(
             raise _Incomplete(stale, f"{fname}: {files[fname]['size']} bytes, {MARKER} says {size}")
 
 
-def check_snapshot(path_or_url: str, storage_options: dict[str, Any] | None = None) -> SnapshotCheck:
-    """Check one snapshot directory (local path or `s3://bucket/prefix`); see the module docstring."""
+def check_snapshot(
+    path_or_url: str, storage_options: dict[str, Any] | None = None, *, require_marker: bool = True
+) -> SnapshotCheck:
+    """Check one snapshot directory (local path or `s3://bucket/prefix`); see the module docstring.
+
+    `require_marker=False` is for a base checkpoint saved without `.complete` (e.g. by
+    `save_pretrained`): every structural check still runs; a marker that exists is still checked.
+    """
     fs, root = resolve(path_or_url, storage_options)
     url = to_url(fs, root)
     try:
-        total, shards = _check(fs, root)
+        total, shards = _check(fs, root, require_marker)
     except _Incomplete as e:
         return SnapshotCheck(url, False, e.problem, e.detail)
     return SnapshotCheck(url, True, None, f"complete: {shards} shards, {total} tensor bytes", total, shards)

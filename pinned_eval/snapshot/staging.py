@@ -141,8 +141,8 @@ class Staging:
 
     # ---- snapshots ---------------------------------------------------------------------------
 
-    def check(self, path: str) -> SnapshotCheck:
-        return check_snapshot(path, self.storage_options)
+    def check(self, path: str, *, require_marker: bool = True) -> SnapshotCheck:
+        return check_snapshot(path, self.storage_options, require_marker=require_marker)
 
     def put(self, local_dir: str | Path, run: str, step: int) -> str:
         """Copy/upload a complete local snapshot to `path_for(run, step)`, marker last."""

@@ -134,12 +134,22 @@ def test_header_names_swapped_between_shards(snap: Path) -> None:
     assert _problem(snap) is P.HEADER_MISMATCH
 
 
+def test_marker_not_required_still_checks_structure(snap: Path) -> None:
+    (snap / MARKER).unlink()
+    assert _problem(snap) is P.MISSING_MARKER
+    assert check_snapshot(str(snap), require_marker=False).complete
+    shard = snap / SHARD2
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert check_snapshot(str(snap), require_marker=False).problem is P.TRUNCATED_SHARD
+
+
 def test_single_file_snapshot_without_index(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     d = tmp_path / "hf"
     d.mkdir()
     save_file({"w": torch.ones(3)}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert check_snapshot(str(d), require_marker=False).complete  # as save_pretrained leaves it
     (d / MARKER).touch()
     assert _problem(d) is None
     (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-1])
