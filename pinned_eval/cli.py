@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from pinned_eval.commands import engine, fleet, history, points, snapshot, stack
+from pinned_eval.commands import demo, engine, fleet, history, points, snapshot, stack
 
 app = typer.Typer(
     name="pinned-eval",
@@ -24,6 +24,7 @@ app.command("export")(snapshot.export)
 app.add_typer(stack.server_app, name="server")
 app.command("deploy")(stack.deploy)
 app.command("worker")(stack.worker)
+app.command("demo")(demo.demo)
 app.command("request")(points.request)
 app.command("rerun")(points.rerun)
 app.command("status")(history.status)

@@ -1,0 +1,25 @@
+"""`pinned-eval demo`: the whole product on one machine (see `pinned_eval.demo.run`).
+
+Exit codes: 0 the demo ran; 1 it failed (everything it started is stopped either way).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def demo(
+    steps: Annotated[int, typer.Option(help="Training steps (warm-up included).")] = 100,
+    warmup_steps: Annotated[int, typer.Option(help="Supervised warm-up steps.")] = 40,
+    eval_every: Annotated[int, typer.Option(help="An eval point every N steps.")] = 20,
+    policy: Annotated[str, typer.Option(help="At the in-flight bound: backpressure or skip.")] = "backpressure",
+    port: Annotated[int | None, typer.Option(help="Prefect server port (default 4200 when free).")] = None,
+    exit_after: Annotated[bool, typer.Option("--exit", help="Stop everything after printing the table.")] = False,
+) -> None:
+    """Train a tiny model on CPU and evaluate it every few steps, one Prefect flow run per point."""
+    from pinned_eval.demo.run import DemoOptions, run_demo
+
+    run_demo(DemoOptions(steps=steps, warmup_steps=warmup_steps, eval_every=eval_every, policy=policy,
+                         port=port, exit_after=exit_after))  # fmt: skip

@@ -1,0 +1,183 @@
+"""`pinned-eval demo`: the whole product on one machine, on the embedded defaults.
+
+Starts (and, on exit or Ctrl-C, stops by PID) a Prefect server on 127.0.0.1 (SQLite, filesystem
+lease storage), the deployments and a process worker, a CPU fleet of 2 engines behind
+sglang-router; saves the blocks; then runs a tiny fully-async training job on CPU that learns
+arithmetic and dispatches an eval point every `eval_every` steps through `EvalClient` (in-loop
+export into staging, final point forced, a baseline point at step 0). It ends with the per-step
+table and the UI address where runs `demo/step-N` show the history.
+
+Each demo starts from a clean state directory (`<home>/demo`), so it can be run again and again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pinned_eval.settings import get_settings
+
+RUN = "demo"
+
+
+class DemoOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(default=100, ge=1, description="Training steps (warm-up included).")
+    warmup_steps: int = Field(default=40, ge=0, description="Supervised steps before RL.")
+    eval_every: int = Field(default=20, ge=1, description="An eval point every this many steps.")
+    policy: str = Field(default="backpressure", pattern="^(backpressure|skip)$")
+    max_in_flight: int = Field(default=2, ge=1)
+    port: int | None = Field(default=None, description="Prefect server port (default 4200 when free).")
+    exit_after: bool = Field(
+        default=False, description="Stop everything after the table (without a terminal it always does)."
+    )
+    home: Path | None = Field(default=None, description="State directory (default <PINNED_EVAL_HOME>/demo).")
+
+
+class _Started:
+    """Everything the demo started, stopped in reverse order (by PID, via the owners' stop methods)."""
+
+    def __init__(self) -> None:
+        self._stops: list[tuple[str, Callable[[], object]]] = []
+
+    def add(self, what: str, stop: Callable[[], object]) -> None:
+        self._stops.append((what, stop))
+
+    def stop_all(self, say: Callable[[str], None]) -> None:
+        while self._stops:
+            what, stop = self._stops.pop()
+            say(f"stopping {what}")
+            stop()
+
+
+def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict[str, object]]:
+    """Run the demo; returns the per-step table rows (also printed)."""
+    from pinned_eval.prefect_server import use_server
+    from pinned_eval.stack import LocalStack
+
+    home = (opts.home or get_settings().home / "demo").resolve()
+    stack = LocalStack(home)
+    stack.down()  # a previous demo that was not stopped
+    shutil.rmtree(home, ignore_errors=True)
+    started = _Started()
+    try:
+        say("starting the Prefect server on 127.0.0.1 ...")
+        server = stack.server_up(opts.port)
+        started.add("the Prefect server and worker", stack.down)
+        with use_server(server.api_url, server.home):
+            base = _tiny_model(home, say)
+            fleet = _save_blocks(home, base)
+            say("starting 2 CPU engines behind sglang-router ...")
+            launched = fleet.launch(ready_timeout_s=600)
+            started.add("the CPU fleet", launched.stop)
+            say("deploying eval-point and starting a process worker ...")
+            stack.deploy()
+            stack.worker_up(query_seconds=1)
+            table = _train_and_evaluate(opts, home, base, server.api_url, say)
+        say(render_table(table))
+        say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N)")
+        if not opts.exit_after and sys.stdin.isatty():
+            say("everything stays up for you to browse; Ctrl-C stops it all")
+            _wait_for_interrupt()
+        return table
+    finally:
+        started.stop_all(say)
+
+
+def _tiny_model(home: Path, say: Callable[[str], None]) -> Path:
+    from engine.tiny_model import make_tiny_model
+
+    say("making a tiny model and tokenizer (offline) ...")
+    return make_tiny_model(home / "base-model", seed=0)
+
+
+def _save_blocks(home: Path, base: Path):  # type: ignore[no-untyped-def]
+    from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+    from pinned_eval.suite import default_suite
+
+    fleet = FleetBlock(name="demo", mode="launch", backend="cpu", engines=2, model_path=str(base),
+                       state_file=str(home / "fleet" / "fleet.json"))  # fmt: skip
+    fleet.save("default", overwrite=True)
+    EvalSuiteBlock(suite=default_suite()).save("default", overwrite=True)
+    StagingBlock(root=str(home / "staging"), keep_snapshots=2).save("default", overwrite=True)
+    SinksBlock(jsonl_path=str(home / "metrics.jsonl")).save("default", overwrite=True)
+    return fleet
+
+
+def _train_and_evaluate(
+    opts: DemoOptions, home: Path, base: Path, api_url: str, say: Callable[[str], None]
+) -> list[dict[str, object]]:
+    from pinned_eval.demo.trainer import DemoConfig, DemoTrainer
+    from pinned_eval.points import SnapshotSource, SourceKind
+    from trainer_integration.client import EvalClient
+
+    config = DemoConfig(work_dir=home / "trainer", base_model_dir=base, warmup_steps=opts.warmup_steps)
+    client = EvalClient(
+        RUN, api_url, policy=opts.policy, max_in_flight=opts.max_in_flight,  # type: ignore[arg-type]
+        staging_root=home / "staging", spool_dir=home / "spool",
+    )  # fmt: skip
+    try:
+        with DemoTrainer(config) as trainer:
+            client.dispatch(0, source=SnapshotSource(kind=SourceKind.HF, path=str(base), require_marker=False),
+                            final=False)  # fmt: skip  (baseline: the untrained model, never deleted)
+            say(f"training {opts.steps} steps; an eval point every {opts.eval_every} steps ...")
+            t0 = time.monotonic()
+            for _ in range(opts.steps):
+                stats = trainer.train_step()
+                step = stats.step
+                client.report_progress(step)
+                final = step == opts.steps
+                if step % opts.eval_every == 0 or final:
+                    res = client.dispatch(step, final=final, export=lambda s, dest: trainer.export(dest))
+                    say(f"  step {step:4d} {stats.phase:6s} loss {stats.loss:.3f} -> eval point {res.action} "
+                        f"(loop stalled {res.stall_seconds * 1000:.0f} ms)")  # fmt: skip
+            say(f"training done in {time.monotonic() - t0:.0f}s; waiting for the last eval points ...")
+        outcomes = client.drain(timeout=900)
+    finally:
+        client.close()
+    return [_row(o) for o in outcomes]
+
+
+def _row(outcome) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    row: dict[str, object] = {"step": outcome.step, "state": outcome.state}
+    version, lag = None, None
+    for ds, m in sorted(outcome.metrics.items()):
+        if ds is None:
+            continue
+        row[ds] = m.get(f"eval/{ds}")
+        version = m.get(f"eval/{ds}/weight_version/mean", version)
+        lag = m.get("eval/lag_steps", lag)
+    row["weight_version"] = None if version is None else f"{version:g}"
+    row["lag"] = None if lag is None else int(lag)
+    row["reason"] = outcome.reason or ""
+    return row
+
+
+def render_table(rows: list[dict[str, object]]) -> str:
+    if not rows:
+        return "(no eval points)"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _wait_for_interrupt() -> None:
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.pause()
