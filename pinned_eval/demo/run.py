@@ -84,7 +84,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
             table = _train_and_evaluate(opts, home, base, server.api_url, say)
         say(render_table(table))
         say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N)")
-        if not opts.exit_after and sys.stdin.isatty():
+        if not opts.exit_after and (sys.stdin.isatty() or get_settings().demo_hold):
             say("everything stays up for you to browse; Ctrl-C stops it all")
             _wait_for_interrupt()
         return table
@@ -179,5 +179,11 @@ def _cell(v: object) -> str:
 
 
 def _wait_for_interrupt() -> None:
+    """Block until Ctrl-C (SIGINT) or SIGTERM; the caller's `finally` then stops everything."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     with contextlib.suppress(KeyboardInterrupt):
         signal.pause()
