@@ -3,3 +3,25 @@
 
 def explode(response: str, label: str) -> float:
     raise RuntimeError("reward function failed on purpose")
+
+
+def explode_once(response: str, label: str) -> float:
+    """Raise on the first call inside a flow run, score exact match on every later attempt of it.
+
+    The marker is one file per flow-run id, so a run retried in place (same id) passes. Markers
+    live in `$PINNED_EVAL_TEST_MARKER_DIR`, else `$PREFECT_HOME/test-markers` (shared by the test
+    process and the workers it starts).
+    """
+    import os
+    from pathlib import Path
+
+    from prefect.runtime import flow_run
+
+    root = os.environ.get("PINNED_EVAL_TEST_MARKER_DIR") or os.path.join(os.environ["PREFECT_HOME"], "test-markers")
+    marker = Path(root) / f"explode-once-{flow_run.id}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return float(response.strip() == label.strip())
+    raise RuntimeError(f"reward failed on purpose (first attempt of flow run {flow_run.id})")

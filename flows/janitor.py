@@ -1,0 +1,208 @@
+"""The janitor flow: crash zombie eval points and retire staged snapshots no live point owns.
+
+Covers what the `on_crashed` hook cannot: the loss of a worker host (or a SIGKILL of the worker
+itself) leaves the point's flow run Running or Pending forever, its owned snapshot on staging and
+no `skipped_crashed` row (OSS Prefect has no zombie reaper).
+
+Liveness signal (what Prefect records for every flow run):
+    last activity = max(flow-run state timestamp,
+                        newest task-run state timestamp of the run,
+                        newest `prefect.flow-run.heartbeat` event of the run)
+The flow engine emits the heartbeat every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (default
+180, minimum 30) from a daemon thread, even while one long task (generation) runs, so a live
+point is never quiet for longer than that. Keep `heartbeat_window_s` at 3x the frequency or more
+(default 600 s); with heartbeats disabled the window must exceed the longest single task.
+
+A point quiet for longer than the window is stuck: its run is forced to Crashed (message says
+why), its owned snapshot is retired (keep-ring), and `skipped_crashed` is recorded at its step
+(JSONL row with the point's flow-run id, the point's artifacts, W&B when configured).
+
+Staging sweep: a snapshot `<run>/step_<n>` that is not `.retired` is retired when every flow
+run of (run, step) is terminal, or when no flow run of it exists and it is older than
+`orphan_age_s` (a trainer's in-loop export whose request may still be spooled). Everything goes
+through `Staging.retire`, which is confined to the staging root; `hf` sources are never touched.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from prefect import flow, get_client, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.objects import FlowRun
+from prefect.states import Crashed
+from pydantic import BaseModel, Field
+
+from blocks import SinksBlock, StagingBlock
+from pinned_eval.history import POINT_FLOW, TERMINAL, point_flow_runs
+from pinned_eval.points import SnapshotSource, flow_run_name
+from pinned_eval.skips import SkipReason
+
+HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+
+
+class StuckPoint(BaseModel):
+    flow_run_id: str
+    name: str
+    run: str
+    step: int
+    state: str
+    last_activity: datetime
+    quiet_seconds: float
+
+
+class JanitorReport(BaseModel):
+    crashed: list[StuckPoint] = Field(default_factory=list, description="Points forced to Crashed.")
+    retired: list[str] = Field(default_factory=list, description="Snapshots retired (entered the keep-ring).")
+    kept_live: list[str] = Field(default_factory=list, description="Unretired snapshots of live points.")
+
+
+def last_activity(client: SyncPrefectClient, fr: FlowRun) -> datetime:
+    """Newest of: the run's state timestamp, its task runs' state timestamps, its heartbeats."""
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+    seen = [fr.state.timestamp] if fr.state else [fr.created]
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]}))
+    seen += [t.state.timestamp for t in tasks if t.state]
+    since = fr.start_time or fr.created or (datetime.now(UTC) - timedelta(days=1))
+    page = client.read_events(
+        EventFilter(
+            occurred=EventOccurredFilter(since=since, until=datetime.now(UTC) + timedelta(minutes=1)),
+            event=EventNameFilter(name=[HEARTBEAT_EVENT]),
+            resource=EventResourceFilter(id=[f"prefect.flow-run.{fr.id}"]),
+        ),
+        limit=1,
+    )
+    seen += [e.occurred for e in page.events]
+    return max(s for s in seen if s is not None)
+
+
+def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRun]:
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    tags = FlowRunFilterTags(all_=[f"run:{run}"]) if run else None
+    # Pending too: a worker that died between submitting and starting the run leaves it Pending.
+    state = {"type": FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])}
+    runs = client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[POINT_FLOW])),
+        flow_run_filter=FlowRunFilter(state=state, tags=tags),
+    )
+    return [r for r in runs if "run" in r.parameters and "step" in r.parameters]
+
+
+@task(cache_policy=NO_CACHE, task_run_name="crash-{point.name}")
+def crash_point(point: StuckPoint, window_s: float) -> list[str]:
+    """Force the stuck run to Crashed, retire its owned snapshot, record `skipped_crashed`."""
+    from pinned_eval.sinks import JsonlSink
+    from tasks.log import log_point, skip_rows
+
+    logger = get_run_logger()
+    message = (
+        f"janitor: no activity for {point.quiet_seconds:.0f}s (window {window_s:.0f}s, last "
+        f"{point.last_activity.isoformat()}); the flow-run process or its host is gone"
+    )
+    with get_client(sync_client=True) as client:
+        fr = client.read_flow_run(point.flow_run_id)
+        client.set_flow_run_state(point.flow_run_id, Crashed(message=message), force=True)
+    params = fr.parameters
+    retired: list[str] = []
+    source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
+    if source is not None and source.owned:
+        staging = StagingBlock.load(params.get("staging", "default")).staging()
+        path = staging.path_for(point.run, point.step)
+        staging.retire(path, owned=True)
+        retired.append(path)
+    sinks = SinksBlock.load(params.get("sinks", "default"))
+    rows = skip_rows(point.run, point.step, SkipReason.CRASHED, message, failed=True)
+    if sinks.jsonl_path:
+        JsonlSink(sinks.jsonl_path).write_point([r.model_copy(update={"flow_run_id": point.flow_run_id}) for r in rows])
+    # artifacts (and W&B) through the point's own log task; the JSONL row above keeps the point's id
+    log_point(point.run, point.step, rows, sinks.model_copy(update={"jsonl_path": None}))
+    logger.warning("crashed %s (%s): %s", point.name, point.flow_run_id, message)
+    return retired
+
+
+@task(cache_policy=NO_CACHE, task_run_name="sweep-{staging_name}")
+def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live: set[tuple[str, int]]) -> JanitorReport:
+    """Retire unretired snapshots whose points are all terminal (or long orphaned)."""
+    logger = get_run_logger()
+    staging = StagingBlock.load(staging_name).staging()
+    report = JanitorReport()
+    now = datetime.now(UTC).timestamp()
+    runs_cache: dict[str, dict[int, list[FlowRun]]] = {}
+    with get_client(sync_client=True) as client:
+        for snap in staging.list(run):
+            if snap.retired:
+                continue
+            if snap.run not in runs_cache:
+                by_step: dict[int, list[FlowRun]] = {}
+                for fr in point_flow_runs(client, snap.run):
+                    by_step.setdefault(int(fr.parameters["step"]), []).append(fr)
+                runs_cache[snap.run] = by_step
+            runs = runs_cache[snap.run].get(snap.step, [])
+            live_run = any(r.state is None or r.state.type.value not in TERMINAL for r in runs)
+            if (snap.run, snap.step) in live or live_run:
+                report.kept_live.append(snap.path)
+                continue
+            if not runs and now - snap.mtime < orphan_age_s:
+                report.kept_live.append(snap.path)  # its request may still be on its way
+                continue
+            staging.retire(snap.path, owned=True)
+            report.retired.append(snap.path)
+            logger.info("retired orphaned snapshot %s (%s)", snap.path, "no point" if not runs else "points ended")
+    return report
+
+
+@flow(name="janitor", flow_run_name="janitor")
+def janitor(
+    heartbeat_window_s: float = 600.0,
+    run: str | None = None,
+    orphan_age_s: float = 86400.0,
+    staging: list[str] | None = None,
+) -> JanitorReport:
+    """Crash eval points quiet for longer than `heartbeat_window_s`; retire orphaned staged snapshots."""
+    if heartbeat_window_s <= 0:
+        raise ValueError(f"heartbeat_window_s: must be > 0, got {heartbeat_window_s}")
+    if orphan_age_s < 0:
+        raise ValueError(f"orphan_age_s: must be >= 0, got {orphan_age_s}")
+    logger = get_run_logger()
+    now = datetime.now(UTC)
+    stuck: list[StuckPoint] = []
+    live: set[tuple[str, int]] = set()
+    staging_names = set(staging or ["default"])
+    with get_client(sync_client=True) as client:
+        for fr in _stuck_candidates(client, run):
+            r, step = str(fr.parameters["run"]), int(fr.parameters["step"])
+            staging_names.add(str(fr.parameters.get("staging", "default")))
+            seen = last_activity(client, fr)
+            quiet = (now - seen).total_seconds()
+            if quiet <= heartbeat_window_s:
+                live.add((r, step))
+                continue
+            stuck.append(
+                StuckPoint(flow_run_id=str(fr.id), name=fr.name or flow_run_name(r, step), run=r, step=step,
+                           state=fr.state.name if fr.state else "Pending", last_activity=seen, quiet_seconds=quiet)
+            )
+    report = JanitorReport(crashed=stuck)
+    for point in stuck:
+        report.retired += crash_point(point, heartbeat_window_s)
+    for name in sorted(staging_names):
+        try:
+            StagingBlock.load(name)
+        except ValueError:
+            logger.info("no staging block %r; nothing to sweep there", name)
+            continue
+        swept = sweep_staging(name, run, orphan_age_s, live)
+        report.retired += swept.retired
+        report.kept_live += swept.kept_live
+    logger.info("janitor: crashed %d point(s), retired %d snapshot(s)", len(report.crashed), len(report.retired))
+    return report

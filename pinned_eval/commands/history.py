@@ -1,0 +1,91 @@
+"""`pinned-eval status|report|janitor`: read a run's eval history, plot it, clean up after lost hosts.
+
+Exit codes: 0 success; 1 the operation failed (no eval point of the run, Prefect unreachable,
+the janitor flow failed); 2 bad input (unknown report format, bad option value, no API URL).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pinned_eval.commands.points import RunOpt, fail, prefect_client
+
+
+def status(
+    run: RunOpt,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full history as JSON.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every attempt of every step.")] = False,
+) -> None:
+    """Table of a run's steps: state, reason, score per dataset, weight version, lag, attempts."""
+    from pinned_eval.history import read_history
+    from pinned_eval.report import attempts_lines, format_table, status_rows
+
+    with prefect_client() as client:
+        history = read_history(run, client=client)
+    if as_json:
+        doc = {**history.model_dump(mode="json"), "table": status_rows(history)}
+        typer.echo(json.dumps(doc, indent=2))
+    if not history.points:
+        fail(f"no eval point of run {run!r} is recorded")
+    if as_json:
+        return
+    typer.echo(format_table(history))
+    for p in history.points:
+        if verbose or len(p.attempts) > 1:
+            typer.echo(f"step {p.step}:")
+            for line in attempts_lines(p):
+                typer.echo(line)
+
+
+def report(
+    run: RunOpt,
+    out: Annotated[Path, typer.Option("--out", help="FILE.png or FILE.html (PNG embedded + table).")],
+) -> None:
+    """Plot score per dataset vs step; skipped and failed steps are marked with their reason."""
+    from pinned_eval.history import read_history
+    from pinned_eval.report import write_report
+
+    if out.suffix.lower() not in (".png", ".html", ".htm"):
+        fail(f"--out: {out.name!r} must end in .png or .html", 2)
+    with prefect_client() as client:
+        history = read_history(run, client=client)
+    if not history.points:
+        fail(f"no eval point of run {run!r} is recorded")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_report(history, out)
+    typer.echo(f"wrote {out} ({len(history.points)} steps, datasets: {', '.join(history.datasets) or 'none'})")
+
+
+def janitor(
+    heartbeat_window: Annotated[
+        float, typer.Option("--heartbeat-window", min=1, help="Seconds without activity before a point is stuck.")
+    ] = 600.0,
+    run: Annotated[str | None, typer.Option("--run", help="Only this training run.")] = None,
+    orphan_age: Annotated[
+        float, typer.Option("--orphan-age", min=0, help="Seconds before a snapshot with no flow run is retired.")
+    ] = 86400.0,
+    staging: Annotated[
+        list[str] | None, typer.Option("--staging", help="Staging block to sweep (repeatable; default: default).")
+    ] = None,
+) -> None:
+    """Crash stuck points (lost host), record skipped_crashed, retire orphaned staged snapshots."""
+    with prefect_client():
+        from flows.janitor import janitor as janitor_flow
+
+        state = janitor_flow(
+            heartbeat_window_s=heartbeat_window, run=run, orphan_age_s=orphan_age, staging=staging,
+            return_state=True,
+        )
+    if not state.is_completed():
+        fail(f"janitor flow ended {state.name}: {state.message}")
+    result = state.result()
+    for p in result.crashed:
+        typer.echo(f"crashed {p.name} {p.flow_run_id} (quiet {p.quiet_seconds:.0f}s, was {p.state})")
+    for path in result.retired:
+        typer.echo(f"retired {path}")
+    typer.echo(f"janitor: {len(result.crashed)} crashed, {len(result.retired)} retired, "
+               f"{len(result.kept_live)} live snapshot(s) kept")

@@ -1,0 +1,263 @@
+"""`pinned-eval request|rerun`: ask for an eval point, or run a finished one again.
+
+- `request` sends the point's `pinned-eval.point.requested` event (deterministic id: sending the
+  same point twice is one flow run); `--force-new` creates a new deployment run instead.
+- `rerun` finds the step's latest flow run: Failed/Crashed/Cancelled deployment runs are retried
+  in place (state Scheduled "AwaitingRetry", forced: same id, `run_count + 1`, like the UI's Retry
+  button); Skipped points (and, with `--force`, measured ones) get a new deployment run with the
+  same parameters and name. The snapshot must still be obtainable: a staged snapshot must be on
+  staging and complete (it is taken out of the keep-ring so no other point deletes it meanwhile);
+  megatron/state_dict/hf sources must still exist (the flow re-exports them).
+
+Exit codes: 0 done (with `--wait`: the point ended, whatever its state); 1 the operation failed
+(no such point, still in flight, snapshot gone, Prefect unreachable, wait timed out); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from pinned_eval.history import FlowRunRecord
+    from pinned_eval.points import SnapshotSource
+
+DEFAULT_DEPLOYMENT = "eval-point/eval-point"
+
+RunOpt = Annotated[str, typer.Option("--run", help="Training run name, e.g. exp42.")]
+StepOpt = Annotated[int, typer.Option("--step", min=0, help="Training step of the point.")]
+WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait for the point's terminal state and print it.")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds --wait waits at most.")]
+DeploymentOpt = Annotated[
+    str, typer.Option("--deployment", help="Deployment that runs new points (<flow>/<deployment>).")
+]
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def prefect_client() -> Iterator[SyncPrefectClient]:
+    """A sync client of the configured API; exit 2 when none is configured, 1 when unreachable."""
+    import httpx
+    from prefect import get_client
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if not url:
+        fail("PREFECT_API_URL is not set (e.g. `export PREFECT_API_URL=http://127.0.0.1:4200/api`)", 2)
+    try:
+        with get_client(sync_client=True) as client:
+            yield client
+    except httpx.TransportError as exc:
+        fail(f"cannot reach the Prefect API at {url}: {exc}")
+
+
+def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
+    """`KIND:PATH` (e.g. `staged:/stage/exp42/step_00000120`, `hf:s3://b/p`) → a validated source."""
+    from pydantic import ValidationError
+
+    from pinned_eval.points import SnapshotSource
+
+    kind, sep, path = text.partition(":")
+    if not sep or not path:
+        raise typer.BadParameter(f"{text!r} must be KIND:PATH with KIND one of hf, staged, megatron, state_dict")
+    try:
+        return SnapshotSource(kind=kind, path=path, hf_base=hf_base)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise typer.BadParameter("; ".join(f"{'.'.join(map(str, e['loc'])) or 'source'}: {e['msg']}"
+                                           for e in exc.errors())) from exc
+
+
+def step_runs(client: SyncPrefectClient, run: str, step: int) -> list[FlowRunRecord]:
+    """Every flow run of the point, oldest first."""
+    from pinned_eval.history import FlowRunRecord, point_flow_runs
+
+    records = [FlowRunRecord.from_prefect(fr) for fr in point_flow_runs(client, run)]
+    return sorted((r for r in records if r.step == step), key=lambda r: r.created)
+
+
+def wait_terminal(client: SyncPrefectClient, flow_run_id: str, timeout_s: float) -> Any:
+    """The flow run once its state is terminal; exit 1 after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fr = client.read_flow_run(flow_run_id)
+        if fr.state is not None and fr.state.is_final():
+            return fr
+        if time.monotonic() > deadline:
+            fail(f"{fr.name} ({flow_run_id}) still {fr.state.name if fr.state else 'Pending'} after {timeout_s:.0f}s")
+        time.sleep(1.0)
+
+
+def print_final(fr: Any) -> None:
+    state = fr.state
+    typer.echo(f"{fr.name} {fr.id}: {state.name} ({state.type.value.lower()}) {state.message or ''}".rstrip())
+
+
+def new_deployment_run(
+    client: SyncPrefectClient, deployment: str, parameters: dict[str, Any], run: str, step: int
+) -> Any:
+    """A new flow run of `deployment` named `<run>/step-<step>`, tagged like the flow tags itself."""
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    from pinned_eval.points import flow_run_name
+
+    try:
+        return run_deployment(
+            deployment, parameters=parameters, timeout=0, flow_run_name=flow_run_name(run, step),
+            tags=[f"run:{run}", f"step:{step}"], as_subflow=False,
+        )
+    except ObjectNotFound:
+        fail(f"deployment {deployment!r} not found: deploy it with `prefect --no-prompt deploy --all`")
+
+
+def request(
+    run: RunOpt,
+    step: StepOpt,
+    source: Annotated[
+        str | None, typer.Option("--source", help="KIND:PATH, KIND in hf, staged, megatron, state_dict.")
+    ] = None,
+    hf_base: Annotated[str | None, typer.Option("--hf-base", help="Base HF dir (megatron, state_dict).")] = None,
+    final: Annotated[bool, typer.Option("--final", help="The run's final point: never skipped as busy.")] = False,
+    posture: Annotated[Literal["fleet", "shared"], typer.Option(help="Eval posture.")] = "fleet",
+    policy: Annotated[Literal["backpressure", "skip"], typer.Option(help="At the in-flight bound.")] = "backpressure",
+    max_in_flight: Annotated[int, typer.Option("--max-in-flight", min=1, max=64, help="In-flight bound.")] = 2,
+    suite: Annotated[str, typer.Option("--suite", help="EvalSuite block name.")] = "default",
+    fleet: Annotated[str, typer.Option("--fleet", help="Fleet block name.")] = "default",
+    staging: Annotated[str, typer.Option("--staging", help="Staging block name.")] = "default",
+    sinks: Annotated[str, typer.Option("--sinks", help="Sinks block name.")] = "default",
+    force_new: Annotated[
+        bool, typer.Option("--force-new", help="Create a new deployment run instead of sending the event.")
+    ] = False,
+    deployment: DeploymentOpt = DEFAULT_DEPLOYMENT,
+    wait: WaitOpt = False,
+    timeout: TimeoutOpt = 1800.0,
+) -> None:
+    """Request an ad-hoc eval point (the same event a trainer sends)."""
+    from pydantic import ValidationError
+
+    from pinned_eval.events import BlockNames, point_event
+    from pinned_eval.points import PointRequest, flow_run_name
+
+    src = parse_source(source, hf_base) if source else None
+    try:
+        req = PointRequest(run=run, step=step, source=src, final=final, posture=posture,  # type: ignore[arg-type]
+                           policy=policy, max_in_flight=max_in_flight)
+        blocks = BlockNames(suite=suite, fleet=fleet, staging=staging, sinks=sinks)
+    except ValidationError as exc:
+        fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()), 2)
+    name = flow_run_name(run, step)
+    with prefect_client() as client:
+        if force_new:
+            params = {**req.model_dump(mode="json"), **blocks.model_dump()}
+            fr = new_deployment_run(client, deployment, params, run, step)
+            typer.echo(f"created {name} {fr.id} (new run of {deployment})")
+            flow_run_id = str(fr.id)
+        else:
+            existing = step_runs(client, run, step)
+            if existing:
+                last = existing[-1]
+                typer.echo(f"{name} exists: {last.id} {last.state_name}; use `pinned-eval rerun` or --force-new")
+                flow_run_id = last.id
+            else:
+                sent_at = datetime.now(UTC)
+                resp = client.request("POST", "/events", json=[point_event(req, blocks)])
+                resp.raise_for_status()
+                typer.echo(f"requested {name} (event {req.event_id})")
+                if not wait:
+                    return
+                flow_run_id = _await_triggered(client, run, step, sent_at, min(timeout, 120.0))
+        if wait:
+            print_final(wait_terminal(client, flow_run_id, timeout))
+
+
+def _await_triggered(client: SyncPrefectClient, run: str, step: int, after: datetime, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fresh = [r for r in step_runs(client, run, step) if r.created >= after.replace(microsecond=0)]
+        if fresh:
+            return fresh[-1].id
+        time.sleep(0.5)
+    fail(f"no flow run for {run}/step-{step} within {timeout_s:.0f}s: is the deployment's trigger active, "
+         "or was this event id already used (then use --force-new)?")
+
+
+def ensure_snapshot(client: SyncPrefectClient, last: FlowRunRecord) -> str:
+    """Make sure the rerun can obtain its weights; return what was done (or exit 1 saying why not)."""
+    from blocks import StagingBlock
+    from pinned_eval.points import SnapshotSource, SourceKind
+    from pinned_eval.snapshot.layout import join, resolve
+    from pinned_eval.snapshot.staging import RETIRED
+
+    raw = last.parameters.get("source")
+    if not raw:
+        return "no snapshot (shared posture)"
+    source = SnapshotSource.model_validate(raw)
+    local = [p for p in (source.path, source.hf_base) if p and "://" not in p]
+    if source.kind is not SourceKind.STAGED:
+        gone = [p for p in local if not os.path.exists(p)]
+        if gone:
+            fail(f"{source.kind} source of {last.name} is gone ({', '.join(gone)}); it cannot be re-exported")
+        return f"{source.kind} source present; the flow exports it again" if source.owned else "hf source present"
+    staging = StagingBlock.load(str(last.parameters.get("staging", "default"))).staging()
+    dest = staging.path_for(last.run, last.step)
+    check = staging.check(dest)
+    if not check.complete:
+        fail(f"staged snapshot {dest} of {last.name} is not available ({check.problem}: {check.detail}); a staged "
+             "snapshot has no other copy: export the step again and `pinned-eval request --force-new`")
+    fs, fs_path = resolve(dest, staging.storage_options)
+    with contextlib.suppress(FileNotFoundError):  # out of the keep-ring while the rerun uses it
+        fs.rm_file(join(fs, fs_path, RETIRED))
+    return f"staged snapshot {dest} complete; taken out of the keep-ring"
+
+
+def rerun(
+    run: RunOpt,
+    step: StepOpt,
+    force: Annotated[bool, typer.Option("--force", help="Also rerun a measured point (as a new run).")] = False,
+    deployment: DeploymentOpt = DEFAULT_DEPLOYMENT,
+    wait: WaitOpt = False,
+    timeout: TimeoutOpt = 1800.0,
+) -> None:
+    """Run a finished point again: retry a failed one in place, re-trigger a skipped one."""
+    from prefect.states import Scheduled
+
+    from pinned_eval.history import RETRYABLE, TERMINAL, outcome_of
+    from pinned_eval.points import flow_run_name
+
+    name = flow_run_name(run, step)
+    with prefect_client() as client:
+        runs = step_runs(client, run, step)
+        if not runs:
+            fail(f"no flow run of {name}; request it with `pinned-eval request`")
+        last = runs[-1]
+        if last.state_type not in TERMINAL:
+            fail(f"{name} is still {last.state_name} ({last.id}); wait for it or cancel it first")
+        outcome = outcome_of(last.state_type, last.state_name)
+        if outcome == "measured" and not force:
+            fail(f"{name} was measured ({last.id}); pass --force to measure it again")
+        typer.echo(ensure_snapshot(client, last))
+        if last.state_type in RETRYABLE and last.deployment_id:
+            client.set_flow_run_state(
+                last.id, Scheduled(name="AwaitingRetry", message="Retried via pinned-eval rerun"), force=True
+            )
+            typer.echo(f"retrying {name} in place: {last.id} (was {last.state_name})")
+            flow_run_id = last.id
+        else:
+            target = last.deployment_id or deployment
+            fr = new_deployment_run(client, target, dict(last.parameters), run, step)
+            typer.echo(f"re-triggered {name} as a new run {fr.id} (was {last.state_name} {last.id})")
+            flow_run_id = str(fr.id)
+        if wait:
+            print_final(wait_terminal(client, flow_run_id, timeout))
