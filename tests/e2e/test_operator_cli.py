@@ -104,6 +104,28 @@ def test_rerun_retries_a_failed_point_in_place_and_status_shows_both_attempts(
         assert img.format == "PNG" and img.size == (1000, 550)
 
 
+def test_rerun_of_a_skipped_point_is_a_new_run_once_its_snapshot_exists(
+    point_env: PointEnv, deployed: Deployed, tiny_model: Path
+):
+    env = point_env
+    dest = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, 8)
+    state = eval_point(**env.params(8, source={"kind": "staged", "path": dest}), return_state=True)
+    assert state.name == "Skipped" and state.message.startswith("ckpt_missing"), state.message
+    code, out = cli("rerun", "--run", env.run, "--step", "8")
+    assert code == 1 and f"staged snapshot {dest}" in out and "not available" in out, out
+
+    write_step_snapshot(tiny_model, dest)  # the operator re-exported the step
+    code, out = cli("rerun", "--run", env.run, "--step", "8", "--wait", "--timeout", "240")
+    assert code == 0 and "as a new run" in out, out
+    assert ": Completed (completed)" in out.splitlines()[-1], out
+    code, out = cli("status", "--run", env.run, "--json")
+    [point] = json.loads(out)["points"]
+    assert point["outcome"] == "measured" and point["reason"] is None
+    assert [a["state_name"] for a in point["attempts"]] == ["Skipped", "Completed"]
+    assert len({a["flow_run_id"] for a in point["attempts"]}) == 2  # a new run, not a retry
+    assert point["flow_run_name"] == f"{env.run}/step-8"
+
+
 def test_rerun_and_status_refuse_what_they_cannot_do(point_env: PointEnv, tmp_path: Path):
     code, out = cli("rerun", "--run", point_env.run, "--step", "9")
     assert code == 1 and "no flow run" in out
