@@ -1,0 +1,134 @@
+"""The demo trainer: loss goes down, RL steps consume the fully-async producer's rollouts, exports
+are complete HF snapshots that transformers loads and decodes like the trainer, accuracy climbs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from engine.tiny_model import make_tiny_model
+from pinned_eval.demo import tasks
+from pinned_eval.demo.trainer import DemoConfig, DemoTrainer
+from pinned_eval.snapshot.check import check_snapshot
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("demo-base") / "base", seed=0)
+
+
+def _config(tmp_path, base_dir, **kw) -> DemoConfig:
+    return DemoConfig(work_dir=tmp_path, base_model_dir=base_dir, **kw)
+
+
+def test_tasks_match_the_eval_datasets():
+    every = {f.prompt: f.label for f in tasks.all_facts()}
+    for ds in tasks.eval_sets():
+        assert len(ds.prompts) == 64
+        for prompt, label in zip(ds.prompts, ds.labels, strict=True):
+            assert every[prompt] == label  # same strings, same answers as the eval
+    heldout = tasks.facts("heldout")
+    assert len(heldout) == 200 - 128
+    assert not {f.prompt for f in heldout} & tasks.eval_prompts()
+    assert tasks.reward("7", "7") == 1.0 and tasks.reward("17", "7") == 0.0
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValidationError, match="n_samples_per_prompt"):
+        DemoConfig(work_dir=tmp_path, objective="pg", n_samples_per_prompt=1)
+    with pytest.raises(ValidationError, match="warmup_split"):
+        DemoConfig(work_dir=tmp_path, warmup_split="test")
+
+
+def test_warmup_loss_decreases(tmp_path, base_dir):
+    with DemoTrainer(_config(tmp_path, base_dir, warmup_steps=40)) as tr:
+        stats = tr.run(40)
+    assert [s.step for s in stats] == list(range(1, 41))
+    assert all(s.phase == "warmup" and s.weight_version == str(s.step) for s in stats)
+    first = sum(s.loss for s in stats[:5]) / 5
+    last = sum(s.loss for s in stats[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+
+
+def test_rl_steps_consume_producer_rollouts(tmp_path, base_dir):
+    cfg = _config(
+        tmp_path, base_dir, warmup_steps=2, rollout_batch_size=3, n_samples_per_prompt=4,
+        max_weight_staleness=1,
+    )
+    with DemoTrainer(cfg) as tr:
+        stats = tr.run(6)
+        generated = tr._worker.samples_generated
+    rl = [s for s in stats if s.phase == "rl"]
+    assert len(rl) == 4
+    for s in rl:
+        assert 0.0 <= s.reward_mean <= 1.0
+        assert 0 <= s.staleness_mean <= 1  # the producer's staleness filter held
+        assert s.rollout_metrics["rollout/fully_async/consumed_groups"] == 3.0
+        # filtered SFT trains exactly on the reward-1 samples
+        assert s.samples_used == round(s.reward_mean * 12)
+    assert generated >= 4 * 3 * 4
+
+
+def test_pg_objective_runs(tmp_path, base_dir):
+    cfg = _config(tmp_path, base_dir, warmup_steps=0, objective="pg", rollout_batch_size=2, n_samples_per_prompt=4)
+    with DemoTrainer(cfg) as tr:
+        stats = tr.run(2)
+    assert [s.phase for s in stats] == ["rl", "rl"]
+    assert all(s.samples_used % 4 == 0 for s in stats)  # a group counts only when its rewards differ
+
+
+def _hf_greedy(path, prompts: list[str]) -> list[str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    nl = tok.encode("\n", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            **enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id,
+            eos_token_id=[tok.eos_token_id, *nl],
+        )
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [t.split("\n", 1)[0] for t in texts]
+
+
+def test_export_is_a_complete_snapshot_transformers_loads(tmp_path, base_dir):
+    dest = tmp_path / "snap"
+    prompts = list(tasks.eval_sets()[0].prompts[:24]) + list(tasks.eval_sets()[1].prompts[:24])
+    with DemoTrainer(_config(tmp_path, base_dir, warmup_steps=30)) as tr:
+        tr.run(30)
+        first = tr.export(dest)
+        assert first.weight_version == "30"
+        assert check_snapshot(str(dest)).complete
+        ours = tr.greedy(prompts)
+        assert _hf_greedy(dest, prompts) == ours
+        assert any(r.strip() for r in ours)
+        state = {k: v.clone() for k, v in tr.model.state_dict().items()}
+        tr.run(5)
+        second = tr.export(dest)  # same place, a later version: stale files replaced
+    assert second.weight_version == "35"
+    assert check_snapshot(str(dest)).complete
+    written = {}
+    for shard in dest.glob("*.safetensors"):
+        written.update(load_file(shard))
+    base = {}
+    for shard in base_dir.glob("*.safetensors"):
+        base.update(load_file(shard))
+    assert set(written) == set(base)  # same tensor names as make_tiny_model's output
+    assert any(not torch.equal(written[k], state[k]) for k in written)  # the later weights
+    assert (dest / "tokenizer.json").is_file() and (dest / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_accuracy_on_arith_add_improves(tmp_path, base_dir):
+    add = tasks.eval_sets()[0]
+    cfg = _config(tmp_path, base_dir, warmup_steps=300, rollout_batch_size=8)
+    with DemoTrainer(cfg) as tr:
+        before = tr.score(list(add.prompts), list(add.labels))
+        stats = tr.run(340)
+        after = tr.score(list(add.prompts), list(add.labels))
+    assert after >= before + 0.15, (before, after)
+    assert sum(s.reward_mean for s in stats[-40:]) / 40 > 0.1  # the RL phase earns reward
