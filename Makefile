@@ -1,13 +1,17 @@
 # The two commands a new user needs: `make demo` and `make test`.
-.PHONY: setup demo test lint bench clean
+.PHONY: setup services demo test lint bench clean
 
 setup:
 	./scripts/setup.sh
 
+# system packages the tests drive for real (Chromium, PostgreSQL); installed when missing and root
+services:
+	./scripts/ci-services.sh
+
 demo: setup
 	.venv/bin/pinned-eval demo
 
-test: setup
+test: setup services
 	.venv/bin/python -m pytest -q -p no:cacheprovider
 
 lint:

@@ -82,21 +82,38 @@ def start_server(home: Path, port: int | None = None, *, timeout_s: float = 120.
         time.sleep(0.5)
 
 
-def stop_server(pid: int, *, timeout_s: float = 15.0) -> None:
-    """Stop the server's whole process group (SIGTERM, then SIGKILL)."""
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs. An exited child of this process is reaped first (a zombie is not alive)."""
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+        if reaped == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child: its parent reaps it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_group(pid: int, *, timeout_s: float = 15.0) -> None:
+    """Stop the process group led by `pid`: SIGTERM, wait for the leader, then SIGKILL what is left."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
+    while time.monotonic() < deadline and process_alive(pid):
         time.sleep(0.2)
     with suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)  # stragglers of the group (or a leader past its timeout)
+    process_alive(pid)  # reap
+
+
+def stop_server(pid: int, *, timeout_s: float = 15.0) -> None:
+    """Stop the server's whole process group (SIGTERM, then SIGKILL)."""
+    stop_group(pid, timeout_s=timeout_s)
 
 
 @contextmanager

@@ -19,6 +19,9 @@ class Settings(BaseSettings):
         description="State directory: PID files, logs, local Prefect home, tiny models, staging.",
     )
     load_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one weight load on one engine.")
+    demo_hold: bool = Field(
+        default=False, description="Keep the demo's services up after the table until SIGINT/SIGTERM, terminal or not."
+    )
 
 
 def get_settings() -> Settings:

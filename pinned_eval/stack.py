@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 from pydantic import BaseModel
 
-from pinned_eval.prefect_server import ServerProcess, free_port, start_server, stop_server
+from pinned_eval.prefect_server import ServerProcess, free_port, process_alive, start_server, stop_group, stop_server
 
 WORK_POOL = "pinned-eval"
 
@@ -98,7 +96,7 @@ class LocalStack:
 
     def worker_up(self, *, query_seconds: int = 2) -> int:
         st = self.state()
-        if st.worker_pid and _alive(st.worker_pid):
+        if st.worker_pid and process_alive(st.worker_pid):
             return st.worker_pid
         env = dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
                    PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds))  # fmt: skip
@@ -113,10 +111,10 @@ class LocalStack:
     def down(self) -> list[str]:
         """Stop the worker, then the server; returns what was stopped."""
         st, stopped = self.state(), []
-        if st.worker_pid and _alive(st.worker_pid):
-            _stop_group(st.worker_pid, timeout_s=30)
+        if st.worker_pid and process_alive(st.worker_pid):
+            stop_group(st.worker_pid, timeout_s=30)
             stopped.append(f"worker {st.worker_pid}")
-        if st.server_pid and _alive(st.server_pid):
+        if st.server_pid and process_alive(st.server_pid):
             stop_server(st.server_pid)
             stopped.append(f"server {st.server_pid}")
         self._save(StackState(prefect_home=st.prefect_home))
@@ -140,27 +138,6 @@ def _healthy(api_url: str) -> bool:
         return httpx.get(f"{api_url}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _stop_group(pid: int, *, timeout_s: float) -> None:
-    """SIGTERM the process group (a worker cancels its runs), SIGKILL after the timeout."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.2)
-    if _alive(pid):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def describe(stack: LocalStack) -> str:

@@ -1,0 +1,114 @@
+"""`make demo` end to end, exactly as the README runs it, plus the UI check on its Prefect server.
+
+The demo is held open (PINNED_EVAL_DEMO_HOLD=1) after its table so headless Chromium can look at
+the UI; then it gets Ctrl-C (SIGINT), and nothing it started may be left running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _parse_table(out: str) -> list[dict[str, str]]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("step  state"))
+    header = lines[start].split()
+    rows = []
+    for line in lines[start + 1 :]:
+        if not re.match(r"^\d+\s", line):
+            break
+        values = line.split()
+        rows.append(dict(zip(header, values, strict=False)))
+    return rows
+
+
+def _descendants_mentioning(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            environ = p.info["environ"] or {}
+            blob = " ".join(p.info["cmdline"] or []) + " ".join(f"{k}={v}" for k, v in environ.items())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if marker in blob and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+@pytest.mark.ui
+@pytest.mark.timeout(2400)
+def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_running(tmp_path: Path) -> None:
+    env = dict(os.environ, PINNED_EVAL_HOME=str(tmp_path), PINNED_EVAL_DEMO_HOLD="1")
+    proc = subprocess.Popen(
+        ["make", "demo"], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    out: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("Prefect UI:"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(1800), "the demo printed no table within 30 minutes:\n" + "".join(out[-40:])
+        text = "".join(out)
+        ui = re.search(r"Prefect UI: (\S+)", text).group(1)  # type: ignore[union-attr]
+        rows = _parse_table(text)
+        measured = [r for r in rows if r["state"] == "measured"]
+        assert len(measured) >= 3, text
+        for r in measured:
+            assert float(r["weight_version"]) == int(r["step"]), r
+        first, last = measured[0], measured[-1]
+        assert float(last["arith_add"]) >= float(first["arith_add"]) + 0.2, f"no visible climb:\n{text}"
+        if CHROMIUM:
+            _check_ui(ui, [int(r["step"]) for r in rows], tmp_path / "ui-flow-runs.png")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0, "".join(out[-40:])
+    time.sleep(1)
+    left = _descendants_mentioning(str(tmp_path))
+    assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
+
+
+def _check_ui(ui: str, steps: list[int], screenshot: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=flags)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(ui)
+            page.get_by_text(f"demo/step-{max(steps)}").first.wait_for(timeout=90_000)
+            names = set(page.get_by_text("demo/step-").all_inner_texts())
+            page.screenshot(path=str(screenshot))
+        finally:
+            browser.close()
+    assert {f"demo/step-{s}" for s in steps} <= names, names
+    assert screenshot.stat().st_size > 10_000
