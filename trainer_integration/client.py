@@ -34,78 +34,24 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
 
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, progress_variable_name
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from trainer_integration.events import SINKS_BLOCK_SLUG, Delivery, event_entry, skip_record_entry
 from trainer_integration.rest import ApiUnavailableError, PointRun, PrefectRest, api_client
+from trainer_integration.results import DispatchResult, PointOutcome, outcome_of
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry
 
 log = logging.getLogger(__name__)
 
 Exporter = Callable[[int, str], object]
-Action = Literal["requested", "exists", "not_due", "skipped_busy", "skipped_export_failed"]
-OutcomeState = Literal["measured", "skipped", "failed", "crashed", "cancelled", "pending"]
 
 
 class GateLike(Protocol):
     """What `evaluate_now` needs of a producer gate (`trainer_integration.gate.ProducerGate`)."""
 
     def closed(self, reason: str = "") -> AbstractAsyncContextManager[object]: ...
-
-
-class DispatchResult(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    step: int
-    action: Action
-    in_flight: int = Field(description="Points in flight seen by admission (this one excluded).")
-    waited_seconds: float = 0.0
-    export_time_seconds: float | None = None
-    stall_seconds: float = Field(description="Wall time the call took, export included.")
-    admitted_offline: bool = Field(default=False, description="API unreachable: admitted unchecked.")
-
-
-class PointOutcome(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    step: int
-    state: OutcomeState
-    reason: str | None = None
-    message: str | None = None
-    flow_run_id: str | None = None
-    flow_runs: int = Field(default=0, description="Flow runs seen for this step (1 expected).")
-    metrics: dict[str, dict[str, float]] = Field(default_factory=dict, description="dataset -> metrics")
-
-
-def _outcome(step: int, runs: list[PointRun], rows: dict[str | None, dict[str, float]]) -> PointOutcome:
-    if not runs:
-        return PointOutcome(step=step, state="pending")
-    run = runs[-1]
-    reason: str | None = None
-    state: OutcomeState
-    if not run.terminal:
-        state = "pending"
-    elif run.state_type == "COMPLETED" and run.state_name == "Skipped":
-        state, reason = "skipped", (run.message or "").split(":", 1)[0] or None
-    elif run.state_type == "COMPLETED":
-        state = "measured"
-    elif run.state_type == "CANCELLED":
-        state = "cancelled"
-    else:
-        state, reason = ("crashed" if run.state_type == "CRASHED" else "failed"), "crashed"
-    metrics = {k: v for k, v in rows.items() if k is not None} if state == "measured" else {}
-    return PointOutcome(
-        step=step,
-        state=state,
-        reason=reason,
-        message=run.message,
-        flow_run_id=run.id,
-        flow_runs=len(runs),
-        metrics=metrics,
-    )
 
 
 class EvalClient:
@@ -381,7 +327,7 @@ class EvalClient:
         by_step: dict[int, list[PointRun]] = {}
         for r in runs:
             by_step.setdefault(r.step, []).append(r)
-        return [_outcome(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
+        return [outcome_of(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
 
     def _sink_rows(self) -> dict[int, dict[str | None, dict[str, float]]]:
         from pinned_eval.sinks import JsonlSink

@@ -6,10 +6,9 @@ Contract: every call goes through one `httpx.Client` built by `api_client` with 
 cannot be reached or answers 5xx, so callers can degrade (admit and spool) instead of failing;
 other HTTP errors raise `httpx.HTTPStatusError`.
 
-A point's flow runs are found two ways and merged: runs tagged `run:<run>` (the flow tags itself
-at start; trainer-side skip records are created tagged) and the not-yet-started runs of the
-eval-point flow whose `run` parameter matches (a triggered run carries only the deployment's
-tags until it starts).
+A point's flow runs are the eval-point flow's runs tagged `run:<run>` (the flow tags itself at
+start; trainer-side skip records are created tagged) or not yet terminal (a triggered run carries
+only the deployment's tags until it starts), matched on their `run` parameter — one query.
 """
 
 from __future__ import annotations
@@ -94,18 +93,23 @@ class PrefectRest:
                 return out
             offset += _PAGE
 
-    def point_runs(self, run: str, *, non_terminal_only: bool = False) -> list[PointRun]:
-        """Flow runs of `run`'s eval points, oldest first (tagged ones plus not-yet-started ones)."""
-        flows = {"name": {"any_": [self.flow_name]}}
-        pending_body: dict[str, Any] = {"flows": flows, "flow_runs": {"state": {"type": {"any_": NON_TERMINAL}}}}
-        tagged: dict[str, Any] = {"tags": {"all_": [f"run:{run}"]}}
-        if non_terminal_only:
-            tagged["state"] = {"type": {"any_": NON_TERMINAL}}
-        raw = {r["id"]: r for r in self._filter({"flows": flows, "flow_runs": tagged})}
-        for r in self._filter(pending_body):
-            if (r.get("parameters") or {}).get("run") == run:
-                raw[r["id"]] = r
-        runs = [_point_run(r) for r in raw.values() if "step" in (r.get("parameters") or {})]
+    def point_runs(self, run: str) -> list[PointRun]:
+        """Flow runs of `run`'s eval points, oldest first: one query for runs of the eval-point flow
+        that are tagged `run:<run>` (started runs, skip records) or not terminal yet (a triggered
+        run carries only the deployment's tags until it starts), matched on the `run` parameter."""
+        body = {
+            "flows": {"name": {"any_": [self.flow_name]}},
+            "flow_runs": {
+                "operator": "or_",
+                "tags": {"all_": [f"run:{run}"]},
+                "state": {"type": {"any_": NON_TERMINAL}},
+            },
+        }
+        runs = [
+            _point_run(r)
+            for r in self._filter(body)
+            if (r.get("parameters") or {}).get("run") == run and "step" in r["parameters"]
+        ]
         return sorted(runs, key=lambda r: (r.created, r.id))
 
     def post_events(self, events: list[dict[str, Any]]) -> httpx.Response:

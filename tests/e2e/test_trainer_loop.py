@@ -8,6 +8,7 @@ measured rows carry `eval/lag_steps`, and the final point is measured.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from pathlib import Path
@@ -18,8 +19,9 @@ from pinned_eval.events import BlockNames
 from pinned_eval.points import progress_variable_name
 from pinned_eval.sinks import JsonlSink
 from tests.deploykit import Deployed, runs_of_deployment
-from tests.pointkit import PointEnv, write_step_snapshot
+from tests.pointkit import CpuFleet, PointEnv, write_step_snapshot
 from trainer_integration.client import DispatchResult, EvalClient
+from trainer_integration.results import PointOutcome
 
 pytestmark = pytest.mark.e2e
 
@@ -143,3 +145,41 @@ def test_failed_in_loop_export_is_a_visible_skip_without_orphans(
     assert {f"run:{point_env.run}", "step:5"} <= set(fr.tags)
     [row] = JsonlSink(point_env.jsonl).read(point_env.run)
     assert row.state == "skipped" and row.metrics["eval/skipped_export_failed"] == 1
+
+
+def test_evaluate_now_closes_the_producer_gate_for_a_shared_point(
+    point_env: PointEnv, deployed: Deployed, tiny_model: Path, cpu_fleet: CpuFleet, tmp_path: Path
+):
+    from pinned_eval.fleet import FleetClient
+    from trainer_integration.gate import ProducerGate
+
+    # the live engines last received the weights of step 7 (a weight update, as training does)
+    weights = write_step_snapshot(tiny_model, str(tmp_path / "update-7"), scale=0.001, seed=7)
+
+    async def update_engines() -> None:
+        async with FleetClient(cpu_fleet.engine_urls, cpu_fleet.router_url) as fleet:
+            await fleet.pin(weights, "7")
+
+    asyncio.run(update_engines())
+    gate = ProducerGate()
+    open_while_evaluating: list[bool] = []
+
+    async def loop_step() -> PointOutcome:
+        with EvalClient(
+            point_env.run, deployed.api_url, blocks=BlockNames(**point_env.blocks), spool_dir=tmp_path / "spool"
+        ) as client:
+            point = asyncio.create_task(client.evaluate_now(7, gate, timeout=180))
+            await asyncio.sleep(0)  # let the point start (it closes the gate first)
+            while not point.done():
+                open_while_evaluating.append(gate.is_open)
+                await asyncio.sleep(0.2)
+            return await point
+
+    outcome = asyncio.run(loop_step())
+    assert outcome.state == "measured", outcome
+    assert open_while_evaluating and not any(open_while_evaluating)  # paused for the whole point
+    assert gate.is_open and gate.times_closed == 1  # and reopened after it
+    [fr] = runs_of_deployment(deployed.deployment_id, point_env.run)
+    assert fr.parameters["posture"] == "shared" and fr.parameters["source"] is None
+    rows = JsonlSink(point_env.jsonl).read(point_env.run)
+    assert {r.weight_version for r in rows} == {"7"} and {r.state for r in rows} == {"measured"}
