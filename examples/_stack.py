@@ -37,6 +37,14 @@ class Stack:
     work: Path  # this run's scratch directory (staging, spool, metrics, checkpoints)
     model_path: Path  # the HF model the fleet serves (the trainer's base model)
     blocks: BlockNames  # saved block documents every point of this run uses
+    fleet_state: Path  # the fleet's state file (engine and router URLs, PIDs)
+
+    def fleet_urls(self) -> tuple[list[str], str]:
+        """The fleet's engine URLs and its router URL."""
+        from pinned_eval.fleet.launcher import LaunchedFleet
+
+        fleet = LaunchedFleet.load(self.fleet_state)
+        return fleet.engine_urls, str(fleet.router_url)
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -84,7 +92,7 @@ def stack(args: argparse.Namespace, example: str) -> Iterator[Stack]:
                                  "or --self-contained")  # fmt: skip
             model, state = args.model_path.resolve(), (args.fleet_state or default_state_file()).resolve()
             stop.enter_context(use_server(api_url))
-        yield Stack(api_url, run, work, model, save_blocks(run, work, state))
+        yield Stack(api_url, run, work, model, save_blocks(run, work, state), state)
 
 
 def save_blocks(run: str, work: Path, fleet_state: Path) -> BlockNames:
