@@ -70,6 +70,7 @@ def plot_history(history: RunHistory) -> Figure:
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(10, 5.5), dpi=100, layout="constrained")
     ax = fig.add_subplot()
@@ -104,13 +105,15 @@ def plot_history(history: RunHistory) -> Figure:
         steps = [p.step for p in history.points]
         pad = max(1.0, (max(steps) - min(steps)) * 0.05)
         ax.set_xlim(min(steps) - pad, max(steps) + pad)
-    if history.datasets:
-        lo = min(v for p in history.points for v in p.scores.values())
-        hi = max(v for p in history.points for v in p.scores.values())
-        span = max(hi - lo, 0.1)
-        ax.set_ylim(lo - 0.35 * span, hi + 0.1 * span)  # room at the bottom for the markers
-    else:
-        ax.set_ylim(0, 1)
+    lo, hi = 0.0, 1.0  # rewards are usually in [0, 1]: show that whole range
+    values = [v for p in history.points for v in p.scores.values()]
+    if values:
+        lo, hi = min(lo, *values), max(hi, *values)
+    span = hi - lo or 1.0
+    ax.set_ylim(lo - 0.3 * span, hi + 0.05 * span)  # room at the bottom for the markers
+    ax.set_yticks([t for t in ax.get_yticks() if lo - 1e-9 <= t <= hi + 1e-9])  # no score ticks down there
+    ax.axhline(lo - 0.02 * span, color="0.8", linewidth=0.8, zorder=1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
     if history.points:
         ax.legend(loc="upper left", fontsize=9)
