@@ -34,9 +34,8 @@ from typing import Any
 from pinned_eval.points import RUN_PATTERN
 from pinned_eval.settings import get_settings
 from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
-from pinned_eval.snapshot.layout import MARKER, file_mtime, is_local, join, resolve, to_url
+from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, join, resolve, to_url
 
-RETIRED = ".retired"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _RUN = re.compile(RUN_PATTERN)
 
@@ -161,6 +160,10 @@ class Staging:
             if self.local:
                 self.fs.makedirs(fs_dest, exist_ok=True)
             self.fs.put([os.path.join(src, n) for n in names], [join(self.fs, fs_dest, n) for n in names])
+            if self.local:  # durable before the marker vouches for them
+                for n in names:
+                    fsync_path(join(self.fs, fs_dest, n))
+                fsync_path(fs_dest)
             self.fs.put_file(os.path.join(src, MARKER), join(self.fs, fs_dest, MARKER))
         except BaseException:
             with contextlib.suppress(OSError):

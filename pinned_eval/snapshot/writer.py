@@ -2,7 +2,7 @@
 
 Contract of `write_snapshot`:
 1. a stale `.complete` at the destination is deleted before anything else is written, then
-   stale weight files of an earlier export (top-level `*.safetensors`, index) are removed;
+   what an earlier export left (top-level `*.safetensors`, the index, a `.retired` mark);
 2. the shard plan (names, shapes, dtypes -> `model-0000i-of-0000N.safetensors`, greedy by a byte
    budget, an oversize tensor alone in its shard) is fixed up front: from `plan`, or from the
    tensors themselves when no plan is given (they are then materialised into a list);
@@ -12,8 +12,8 @@ Contract of `write_snapshot`:
 4. a shard is written once, as soon as all its planned tensors arrived, and its buffers dropped;
 5. then the index (`metadata.total_size`, `metadata.export_id`, `weight_map`), then the config /
    tokenizer / chat-template / generation-config files of `base_hf_dir` (never its weights or
-   index; `config.json` gets `dtype` and `torch_dtype` of the written weights), then `.complete`
-   (a `Manifest`) strictly last;
+   index; `config.json` gets `dtype` and `torch_dtype` of the written weights); locally every
+   file and the directory are fsync'd; then `.complete` (a `Manifest`) strictly last;
 6. on any failure every file this call wrote is removed (and the directory if this call made it).
 
 Shards are streamed through `fs.open(..., "wb")`: a header built from the plan, then each tensor's
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import struct
 import time
 import uuid
@@ -43,8 +42,10 @@ from pinned_eval.snapshot.layout import (
     EXPORT_ID_KEY,
     INDEX,
     MARKER,
+    RETIRED,
     SINGLE_FILE,
     Manifest,
+    fsync_path,
     is_local,
     is_weight_file,
     join,
@@ -132,12 +133,6 @@ def _header(specs: list[TensorSpec], export_id: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _fsync_local(f: Any) -> None:
-    """Flush a local file to disk before the marker vouches for it (no-op for object stores)."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
 class _Writer:
     def __init__(self, fs: AbstractFileSystem, root: str, export_id: str) -> None:
         self.fs, self.root, self.export_id = fs, root, export_id
@@ -158,17 +153,26 @@ class _Writer:
                 t = tensors[s.name]
                 if t.numel():
                     f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # zero-copy buffer
-            if self.local:
-                _fsync_local(f)
         self.written[fname] = len(head) + sum(s.nbytes for s in specs)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self.written[name] = -1
         with self.fs.open(self.path(name), "wb") as f:
             f.write(data)
-            if self.local:
-                _fsync_local(f)
         self.written[name] = len(data)
+
+    def sync(self) -> None:
+        """Make every written file and the directory durable (local only; object stores are).
+
+        One pass at the end instead of an fsync per shard: the kernel writes earlier shards back
+        while later ones are produced, so the write overlaps the flush (a per-shard fsync halved
+        throughput for 4 x 256 MiB shards in bench/snapshot_io.py under load).
+        """
+        if not self.local:
+            return
+        for name in self.written:
+            fsync_path(self.path(name))
+        fsync_path(self.root)
 
 
 def _collect(
@@ -218,7 +222,8 @@ def _copy_base_files(
 
 
 def _clear_stale(fs: AbstractFileSystem, root: str) -> None:
-    """Marker first (readers stop trusting the dir), then weights/index of an earlier export."""
+    """Marker first (readers stop trusting the dir), then what an earlier export left: weights,
+    index, and staging's `.retired` mark (a re-export is in use again, not in the keep-ring)."""
     marker = join(fs, root, MARKER)
     if fs.exists(marker):
         fs.rm_file(marker)
@@ -226,7 +231,7 @@ def _clear_stale(fs: AbstractFileSystem, root: str) -> None:
         return
     for info in fs.ls(root, detail=True):
         fname = info["name"].rstrip("/").rsplit("/", 1)[-1]
-        if info["type"] == "file" and (fname.endswith(".safetensors") or fname in (INDEX, SINGLE_FILE)):
+        if info["type"] == "file" and (fname.endswith(".safetensors") or fname in (INDEX, SINGLE_FILE, RETIRED)):
             fs.rm_file(info["name"])
 
 
@@ -266,26 +271,20 @@ def write_snapshot(
             float_dtypes = {s.dtype for s in plan if s.dtype.is_floating_point}
             dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
             _copy_base_files(base_hf_dir, w, dtype, storage_options)
+        w.sync()  # every byte and entry above is durable before the marker can be
         manifest = Manifest(
             export_id=export_id, index_sha256=hashlib.sha256(index_bytes).hexdigest(), total_size=total,
             files=dict(w.written), created_at=datetime.now(UTC).isoformat(), metadata=meta,
         )
         w.write_bytes(MARKER, manifest.model_dump_json(indent=2).encode())
-        if is_local(fs):
-            _fsync_dir(root)
+        if w.local:
+            fsync_path(w.path(MARKER))
+            fsync_path(root)
     except BaseException:
         _remove_partial(fs, root, w, made_dir)
         raise
     return WriteResult(path=to_url(fs, root), bytes=sum(w.written.values()),
                        seconds=time.perf_counter() - t0, shards=len(set(weight_map.values())))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_partial(fs: AbstractFileSystem, root: str, w: _Writer, made_dir: bool) -> None:

@@ -172,6 +172,8 @@ def test_keep_ring(env: Env) -> None:
     assert [(s.step, s.retired) for s in env.staging.list("exp1")] == [(20, True), (30, True), (40, False)]
     assert env.names(urls[10]) == set()
     assert env.staging.check(urls[40]).complete
+    _write(env, 30)  # a rerun re-exports step 30: in use again, so out of the ring
+    assert [(s.step, s.retired) for s in env.staging.list("exp1")] == [(20, True), (30, False), (40, False)]
 
 
 def test_retire_not_owned_never_deletes(env: Env) -> None:
