@@ -70,6 +70,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from exc
+            except RecursionError:  # deep nesting exhausts the stdlib parser's stack
+                raise DatasetError(f"{path}: line {lineno}: invalid JSON (nested too deeply)") from None
             yield f"line {lineno}", row
 
 

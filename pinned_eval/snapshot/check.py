@@ -98,7 +98,7 @@ def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
         return _Incomplete(P.BAD_HEADER, f"{fname}: {why}")
     try:
         hdr = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # deep nesting exhausts the stdlib parser's stack
         raise bad(f"header is not JSON ({e})") from None
     if not isinstance(hdr, dict):
         raise bad("header is not a JSON object")

@@ -89,8 +89,11 @@ class FaultyHTTPProxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
                 with httpx.Client(timeout=120) as http:
                     resp = http.request(self.command, f"{proxy.upstream}{self.path}", content=body, headers=headers)
-                keep = {k: v for k, v in resp.headers.items()
-                        if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding")}
+                keep = {
+                    k: v
+                    for k, v in resp.headers.items()
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding")
+                }
                 self._reply(resp.status_code, keep, resp.content, head=self.command == "HEAD")
 
             def _reply(self, status: int, headers: dict[str, str], content: bytes, head: bool = False) -> None:
@@ -102,7 +105,7 @@ class FaultyHTTPProxy:
                 if not head:
                     self.wfile.write(content)
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle  # noqa: N815
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
         self.server = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -165,7 +168,7 @@ class ScriptedServer:
                 self.end_headers()
                 self.wfile.write(content)
 
-            do_GET = do_POST = do_DELETE = _handle  # noqa: N815
+            do_GET = do_POST = do_DELETE = _handle
 
         self.server = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -41,8 +41,9 @@ def _snapshot_of(outside: Path) -> dict[str, bytes]:
     return {str(p.relative_to(outside)): p.read_bytes() for p in outside.rglob("*") if p.is_file()}
 
 
-_segment = st.sampled_from(["..", ".", "exp1", "exp2", "step_00000001", "step_00000002", "keep-link", "outside",
-                            "root", "", "keep.txt", "x"])
+_segment = st.sampled_from(
+    ["..", ".", "exp1", "exp2", "step_00000001", "step_00000002", "keep-link", "outside", "root", "", "keep.txt", "x"]
+)
 _prefix = st.sampled_from(["{root}/", "{base}/", "/", "", "file://{root}/", "file://{base}/", "s3://b/", "{root}/../"])
 
 
@@ -94,14 +95,23 @@ def test_s3_keys_outside_the_prefix_are_refused(s3_server: S3Server) -> None:
     bucket, other = s3_server.make_bucket("rel"), s3_server.make_bucket("rel")
     opts = s3_server.storage_options
     staging = Staging(f"s3://{bucket}/stage", storage_options=opts, keep_snapshots=0)
-    victims = [f"s3://{other}/stage/exp1/step_00000001", f"s3://{bucket}/stage-evil/exp1/step_00000001",
-               f"s3://{bucket}/other/exp1/step_00000001"]
+    victims = [
+        f"s3://{other}/stage/exp1/step_00000001",
+        f"s3://{bucket}/stage-evil/exp1/step_00000001",
+        f"s3://{bucket}/other/exp1/step_00000001",
+    ]
     for url in victims:
         write_snapshot(named_tensors(n=1), url, storage_options=opts)
     fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
     before = sorted(fs.find(f"s3://{other}") + fs.find(f"s3://{bucket}"))
-    attempts = [*victims, f"s3://{bucket}/stage/../other/exp1/step_00000001", f"s3://{bucket}/stage",
-                f"s3://{bucket}", f"/{bucket}/stage/exp1/step_00000001", f"s3://{other}/stage/exp1/../x"]
+    attempts = [
+        *victims,
+        f"s3://{bucket}/stage/../other/exp1/step_00000001",
+        f"s3://{bucket}/stage",
+        f"s3://{bucket}",
+        f"/{bucket}/stage/exp1/step_00000001",
+        f"s3://{other}/stage/exp1/../x",
+    ]
     for url in attempts:
         with pytest.raises(StagingPathError):
             staging.delete(url)

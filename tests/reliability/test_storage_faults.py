@@ -28,7 +28,7 @@ from pinned_eval.snapshot.check import check_snapshot
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.snapshot.writer import write_snapshot
 from tests.conftest import free_port
-from tests.pointkit import save_point_blocks, write_step_snapshot
+from tests.pointkit import save_point_blocks
 from tests.reliability.netfaults import FaultyHTTPProxy, Rule
 from tests.s3_fixtures import KEY, SECRET, S3Server
 from tests.snapshot_fixtures import named_tensors
@@ -50,7 +50,9 @@ def _left(server: S3Server, url: str) -> list[str]:
 @pytest.mark.parametrize("action", ["error", "drop"])
 def test_transient_s3_faults_are_retried_and_the_snapshot_is_complete(s3_server: S3Server, action: str) -> None:
     bucket = s3_server.make_bucket("rel")
-    proxy = FaultyHTTPProxy(s3_server.endpoint_url, [Rule(action, methods=("PUT",), path_contains="index.json", times=2)])
+    proxy = FaultyHTTPProxy(
+        s3_server.endpoint_url, [Rule(action, methods=("PUT",), path_contains="index.json", times=2)]
+    )
     try:
         url = f"s3://{bucket}/stage/exp1/step_00000001"
         write_snapshot(named_tensors(), url, storage_options=_opts(proxy.url))
@@ -68,14 +70,22 @@ def test_persistent_s3_errors_end_the_point_export_failed_with_nothing_left(
     proxy = FaultyHTTPProxy(s3_server.endpoint_url, [Rule("error", methods=("PUT",), path_contains="index.json")])
     try:
         dead = [f"http://127.0.0.1:{free_port()}"]
-        env = save_point_blocks(tmp_path, FleetBlock(name="s3faults", mode="attach", engine_urls=dead, router_url=dead[0]))
-        StagingBlock(root=f"s3://{bucket}/stage", endpoint_url=proxy.url, aws_access_key_id=KEY,
-                     aws_secret_access_key=SECRET, cache_dir=str(tmp_path / "cache")).save(env.blocks["staging"],
-                                                                                        overwrite=True)
+        env = save_point_blocks(
+            tmp_path, FleetBlock(name="s3faults", mode="attach", engine_urls=dead, router_url=dead[0])
+        )
+        StagingBlock(
+            root=f"s3://{bucket}/stage",
+            endpoint_url=proxy.url,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+            cache_dir=str(tmp_path / "cache"),
+        ).save(env.blocks["staging"], overwrite=True)
         weights = tmp_path / "step5.safetensors"
         save_file({k: v for f in tiny_model.glob("*.safetensors") for k, v in load_file(f).items()}, str(weights))
-        state = eval_point(**env.params(5, source={"kind": "state_dict", "path": str(weights),
-                                                   "hf_base": str(tiny_model)}), return_state=True)
+        state = eval_point(
+            **env.params(5, source={"kind": "state_dict", "path": str(weights), "hf_base": str(tiny_model)}),
+            return_state=True,
+        )
         retried = len(proxy.seen("error", "index.json"))
     finally:
         proxy.close()
@@ -95,8 +105,10 @@ def test_full_local_staging_is_export_failed_and_leaves_nothing(
     weights = tmp_path / "step6.safetensors"
     save_file({k: v for f in tiny_model.glob("*.safetensors") for k, v in load_file(f).items()}, str(weights))
     assert weights.stat().st_size > 300 * 1024, "the snapshot must not fit the 256 KiB disk"
-    state = eval_point(**env.params(6, source={"kind": "state_dict", "path": str(weights), "hf_base": str(tiny_model)}),
-                       return_state=True)
+    state = eval_point(
+        **env.params(6, source={"kind": "state_dict", "path": str(weights), "hf_base": str(tiny_model)}),
+        return_state=True,
+    )
     assert state.name == "Skipped" and state.message.startswith("export_failed"), state.message
     assert not (small_disk / "stage" / env.run / "step_00000006").exists()
 
@@ -111,8 +123,15 @@ def test_full_disk_in_loop_export_never_reaches_the_training_loop(
         write_snapshot(big, dest, base_hf_dir=str(tiny_model))
 
     run = f"r{uuid.uuid4().hex[:8]}"
-    with EvalClient(run, prefect_server, blocks=BlockNames(), staging_root=small_disk / "stage", exporter=export,
-                    spool_dir=tmp_path / "spool", max_in_flight=4) as client:
+    with EvalClient(
+        run,
+        prefect_server,
+        blocks=BlockNames(),
+        staging_root=small_disk / "stage",
+        exporter=export,
+        spool_dir=tmp_path / "spool",
+        max_in_flight=4,
+    ) as client:
         result = client.dispatch(3)
         next_step = client.dispatch(4)  # the loop goes on; this one fails the same way, quietly
     assert result.action == "skipped_export_failed" and next_step.action == "skipped_export_failed"
@@ -140,8 +159,14 @@ else:
 def test_file_size_limit_write_fails_and_removes_partial(tmp_path: Path) -> None:
     """Works without root: RLIMIT_FSIZE in a child makes the shard write fail part-way."""
     root = tmp_path / "stage"
-    out = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(root)], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out = subprocess.run(
+        [sys.executable, "-c", _FSIZE_CHILD, str(root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "refused", out.stdout
     assert not (root / "exp1" / "step_00000001").exists() or list((root / "exp1" / "step_00000001").iterdir()) == []
