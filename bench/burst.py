@@ -1,0 +1,382 @@
+"""Burst of eval-point dispatches: throughput, staging high-water mark, server responsiveness.
+
+A trainer stub dispatches one eval point per step (`policy="skip"`), exporting a tiny snapshot
+in-loop into staging for every admitted point, while two sampler threads watch the staging root
+(step directories of the run) and the server's `/api/health` latency. Points that find
+`max_in_flight` points in flight are recorded by the trainer as skipped `busy` (a Completed /
+"Skipped" flow run, no export); admitted ones run as real flow runs on the worker and the fleet.
+
+Invariants checked by `tests/reliability/test_burst.py` with `run_burst`: every step ends with
+exactly one terminal record; staging never holds more than `keep_snapshots + max_in_flight`
+snapshots of the run; the server answers every health probe during the burst.
+
+`main()` (`python -m bench burst`) starts its own local stack (SQLite server, deployment,
+process worker, 2-engine CPU fleet, tiny model) and runs the same burst at max_in_flight 1 and 2
+side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from trainer_integration.client import EvalClient
+from trainer_integration.results import DispatchResult, PointOutcome
+
+Exporter = Callable[[int, str], object]
+
+
+class Sampler:
+    """Calls `probe()` every `interval_s` on a daemon thread until stopped; keeps every value."""
+
+    def __init__(self, probe: Callable[[], float], interval_s: float, name: str) -> None:
+        self.probe = probe
+        self.interval_s = interval_s
+        self.values: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def _sample(self) -> None:
+        try:
+            self.values.append(self.probe())
+        except (httpx.HTTPError, OSError) as exc:
+            self.errors.append(repr(exc))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sample()  # one last reading after the burst
+
+
+def staged_snapshots(staging_root: Path, run: str) -> int:
+    """Snapshot directories of `run` under a local staging root right now (complete or not)."""
+    run_dir = staging_root / run
+    try:
+        return sum(1 for p in run_dir.iterdir() if p.name.startswith("step_"))
+    except FileNotFoundError:
+        return 0
+
+
+def health_latency(api_url: str, http: httpx.Client) -> float:
+    """Seconds one `GET /api/health` took; raises on a non-200 answer."""
+    t0 = time.perf_counter()
+    resp = http.get(f"{api_url}/health")
+    resp.raise_for_status()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class BurstReport:
+    steps: int
+    max_in_flight: int
+    keep_snapshots: int
+    dispatched: list[DispatchResult]
+    outcomes: list[PointOutcome]
+    loop_seconds: float  # the training loop, dispatches included
+    total_seconds: float  # loop + drain: until every point was terminal
+    staging_samples: list[int]
+    health_latencies: list[float]
+    health_errors: list[str] = field(default_factory=list)
+
+    @property
+    def staging_high_water(self) -> int:
+        return max(self.staging_samples, default=0)
+
+    @property
+    def staging_bound(self) -> int:
+        return self.keep_snapshots + self.max_in_flight
+
+    def count(self, state: str) -> int:
+        return sum(1 for o in self.outcomes if o.state == state)
+
+    @property
+    def records_per_minute(self) -> float:
+        return 60.0 * sum(1 for o in self.outcomes if o.state != "pending") / self.total_seconds
+
+    @property
+    def measured_per_minute(self) -> float:
+        return 60.0 * self.count("measured") / self.total_seconds
+
+    def dispatch_p50_ms(self) -> float:
+        quick = [r.stall_seconds - (r.export_time_seconds or 0.0) for r in self.dispatched if r.waited_seconds == 0]
+        return 1000 * statistics.median(quick) if quick else float("nan")
+
+    def summary(self) -> dict[str, float | int]:
+        lat = sorted(self.health_latencies)
+        return {
+            "steps": self.steps,
+            "max_in_flight": self.max_in_flight,
+            "measured": self.count("measured"),
+            "skipped": self.count("skipped"),
+            "other": len(self.outcomes) - self.count("measured") - self.count("skipped"),
+            "loop_s": round(self.loop_seconds, 1),
+            "total_s": round(self.total_seconds, 1),
+            "records_per_min": round(self.records_per_minute, 1),
+            "measured_per_min": round(self.measured_per_minute, 2),
+            "staging_high_water": self.staging_high_water,
+            "staging_bound": self.staging_bound,
+            "health_probes": len(lat),
+            "health_p50_ms": round(1000 * statistics.median(lat), 1) if lat else float("nan"),
+            "health_max_ms": round(1000 * lat[-1], 1) if lat else float("nan"),
+            "dispatch_p50_ms": round(self.dispatch_p50_ms(), 1),
+        }
+
+
+def run_burst(
+    client: EvalClient,
+    *,
+    api_url: str,
+    staging_root: Path,
+    keep_snapshots: int,
+    steps: int = 200,
+    step_seconds: float = 0.1,
+    drain_timeout_s: float = 240.0,
+    sample_interval_s: float = 0.05,
+) -> BurstReport:
+    """Dispatch `steps` points from `client` (the last one final), then drain; sample throughout."""
+    http = httpx.Client(timeout=30)
+    dispatched: list[DispatchResult] = []
+    staging = Sampler(lambda: staged_snapshots(staging_root, client.run), sample_interval_s, "burst-staging")
+    health = Sampler(lambda: health_latency(api_url, http), 0.25, "burst-health")
+    t0 = time.monotonic()
+    try:
+        with staging, health:
+            for step in range(steps):
+                time.sleep(step_seconds)  # "training"
+                client.report_progress(step)
+                dispatched.append(client.dispatch(step, final=step == steps - 1))
+            loop_s = time.monotonic() - t0
+            outcomes = client.drain(timeout=drain_timeout_s)
+            total_s = time.monotonic() - t0
+    finally:
+        http.close()
+    return BurstReport(
+        steps=steps,
+        max_in_flight=client.max_in_flight,
+        keep_snapshots=keep_snapshots,
+        dispatched=dispatched,
+        outcomes=outcomes,
+        loop_seconds=loop_s,
+        total_seconds=total_s,
+        staging_samples=[int(v) for v in staging.values],
+        health_latencies=health.values,
+        health_errors=staging.errors + health.errors,
+    )
+
+
+def snapshot_exporter(base: Path) -> Exporter:
+    """In-loop export of the base model's weights (read once) as a complete snapshot at `dest`."""
+    from safetensors.torch import load_file
+
+    from pinned_eval.snapshot.writer import write_snapshot
+
+    tensors: dict = {}
+    for shard in sorted(base.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    named = sorted(tensors.items())
+
+    def export(step: int, dest: str) -> None:
+        write_snapshot(named, dest, base_hf_dir=str(base), max_shard_bytes=64 * 1024)
+
+    return export
+
+
+def tiny_suite():  # type: ignore[no-untyped-def]
+    """One dataset, two prompts, one new token: the fleet's work per point is close to nothing."""
+    from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
+
+    return EvalSuite(
+        datasets=(DatasetSpec(name="arith_add", path="builtin:arith_add.jsonl", max_prompts=2),),
+        defaults=SamplingDefaults(temperature=0.0, max_new_tokens=1, n_samples_per_prompt=1, reward="exact_match"),
+    )
+
+
+# ---- a throwaway Postgres on loopback (the scale-out test and the benchmark) ------------------
+
+
+class PostgresUnavailableError(RuntimeError):
+    """No PostgreSQL server binaries here (`scripts/ci-services.sh` installs them)."""
+
+
+def postgres_bin() -> Path:
+    """The directory holding `initdb`, `pg_ctl`, `createdb` (PATH first, then Debian's layout)."""
+    found = shutil.which("pg_ctl")
+    candidates = [Path(os.path.realpath(found)).parent] if found else []
+    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    for d in candidates:
+        if all((d / exe).is_file() for exe in ("initdb", "pg_ctl", "createdb", "postgres")):
+            return d
+    raise PostgresUnavailableError("initdb/pg_ctl not found: run scripts/ci-services.sh (Debian `postgresql`)")
+
+
+@dataclass(frozen=True)
+class LocalPostgres:
+    bin_dir: Path
+    root: Path  # data dir, socket dir and log live here
+    port: int
+    database: str = "prefect"
+    user: str = "prefect"
+
+    @property
+    def url(self) -> str:
+        """SQLAlchemy URL for `PREFECT_API_DATABASE_CONNECTION_URL`."""
+        return f"postgresql+asyncpg://{self.user}@127.0.0.1:{self.port}/{self.database}"
+
+    def psql(self, sql: str) -> str:
+        out = subprocess.run(
+            [str(self.bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user,
+             "-d", self.database, "-tAc", sql],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        return out.stdout.strip()
+
+
+def _as_owner(cmd: list[str]) -> list[str]:
+    """Postgres refuses to run as root: run its tools as the `postgres` user then."""
+    if os.geteuid() != 0:
+        return cmd
+    runuser = shutil.which("runuser")
+    if runuser is None:
+        raise PostgresUnavailableError("running as root and `runuser` is missing: cannot start Postgres")
+    return [runuser, "-u", "postgres", "--", *cmd]
+
+
+@contextmanager
+def running_postgres(port: int) -> Iterator[LocalPostgres]:
+    """initdb into a fresh temp dir, start on 127.0.0.1:`port` (socket in that dir), stop and remove at exit."""
+    import pwd
+
+    bin_dir = postgres_bin()
+    root = Path(tempfile.mkdtemp(prefix="pinned-eval-pg-"))  # short path: the socket name must fit
+    if os.geteuid() == 0:
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError as exc:
+            shutil.rmtree(root)
+            raise PostgresUnavailableError("running as root and there is no `postgres` user") from exc
+        os.chown(root, owner.pw_uid, owner.pw_gid)
+    pg = LocalPostgres(bin_dir, root, port)
+    data = root / "data"
+    started = False
+    try:
+        subprocess.run(
+            _as_owner([str(bin_dir / "initdb"), "-D", str(data), "-U", pg.user, "--auth=trust", "-E", "UTF8",
+                       "--no-sync"]),
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        opts = f"-k {root} -h 127.0.0.1 -p {port} -c fsync=off -c max_connections=200"
+        subprocess.run(
+            _as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "postgres.log"), "-w", "-t", "60",
+                       "-o", opts, "start"]),
+            capture_output=True, text=True, timeout=90, check=True,
+        )  # fmt: skip
+        started = True
+        subprocess.run(
+            [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", pg.user, pg.database],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        yield pg
+    finally:
+        if started:
+            subprocess.run(
+                _as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "-t", "30", "stop"]),
+                capture_output=True, timeout=60,
+            )  # fmt: skip
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def env_set(**values: str) -> Iterator[None]:
+    """Set environment variables for the block (e.g. while a server process is spawned)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---- standalone benchmark ----------------------------------------------------------------------
+
+
+def _variant(api_url: str, state_file: Path, model: Path, work: Path, max_in_flight: int, steps: int) -> BurstReport:
+    from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+    from pinned_eval.events import BlockNames
+
+    tag = uuid.uuid4().hex[:8]
+    run, keep = f"burst{max_in_flight}-{tag}", 2
+    root = work / f"staging-{tag}"
+    root.mkdir()
+    names = BlockNames(suite=f"s-{tag}", fleet=f"f-{tag}", staging=f"st-{tag}", sinks=f"k-{tag}")
+    EvalSuiteBlock(suite=tiny_suite()).save(names.suite)
+    FleetBlock(name=f"b{tag}", mode="launch", state_file=str(state_file)).save(names.fleet)
+    StagingBlock(root=str(root), keep_snapshots=keep).save(names.staging)
+    SinksBlock(jsonl_path=str(work / f"metrics-{tag}.jsonl")).save(names.sinks)
+    with EvalClient(
+        run, api_url, blocks=names, policy="skip", max_in_flight=max_in_flight,
+        staging_root=root, exporter=snapshot_exporter(model), spool_dir=work / "spool",
+    ) as client:  # fmt: skip
+        return run_burst(client, api_url=api_url, staging_root=root, keep_snapshots=keep, steps=steps)
+
+
+def main(steps: int = 200) -> None:
+    from engine.tiny_model import make_tiny_model
+    from pinned_eval.fleet.launcher import launch_cpu_fleet
+    from pinned_eval.prefect_server import use_server
+    from pinned_eval.stack import LocalStack
+
+    with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
+        work = Path(tmp)
+        model = make_tiny_model(work / "model")
+        stack = LocalStack(work / "stack")
+        fleet = None
+        try:
+            server = stack.server_up(port=0)
+            stack.deploy()
+            stack.worker_up(query_seconds=1)
+            fleet = launch_cpu_fleet(model, 2, state_file=work / "fleet.json", ready_timeout_s=180)
+            with use_server(server.api_url, server.home):
+                reports = [_variant(server.api_url, work / "fleet.json", model, work, m, steps) for m in (1, 2)]
+        finally:
+            if fleet is not None:
+                fleet.stop()
+            stack.down()
+    rows = [r.summary() for r in reports]
+    keys = list(rows[0])
+    print(f"burst: {steps} dispatches, policy skip, 0.1 s per training step, tiny suite (1 dataset, 2 prompts, 1 token)")
+    print("| " + " | ".join(["metric", *(f"max_in_flight={r['max_in_flight']}" for r in rows), "ratio 2/1"]) + " |")
+    print("|" + "---|" * (len(rows) + 2))
+    for k in keys[2:]:
+        a, b = rows[0][k], rows[1][k]
+        ratio = f"{b / a:.2f}" if isinstance(a, int | float) and a else "-"
+        print(f"| {k} | {a} | {b} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
