@@ -26,6 +26,8 @@ through `Staging.retire`, which is confined to the staging root; `hf` sources ar
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import cast
+from uuid import UUID
 
 from prefect import flow, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -60,16 +62,18 @@ class JanitorReport(BaseModel):
 
 def last_activity(client: SyncPrefectClient, fr: FlowRun) -> datetime:
     """Newest of: the run's state timestamp, its task runs' state timestamps, its heartbeats."""
-    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
-    seen = [fr.state.timestamp] if fr.state else [fr.created]
-    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]}))
+    seen: list[datetime | None] = [fr.state.timestamp if fr.state else fr.created]
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
     seen += [t.state.timestamp for t in tasks if t.state]
     since = fr.start_time or fr.created or (datetime.now(UTC) - timedelta(days=1))
     page = client.read_events(
         EventFilter(
-            occurred=EventOccurredFilter(since=since, until=datetime.now(UTC) + timedelta(minutes=1)),
+            occurred=EventOccurredFilter.model_validate(
+                {"since": since, "until": datetime.now(UTC) + timedelta(minutes=1)}
+            ),
             event=EventNameFilter(name=[HEARTBEAT_EVENT]),
             resource=EventResourceFilter(id=[f"prefect.flow-run.{fr.id}"]),
         ),
@@ -84,6 +88,7 @@ def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRu
         FlowFilter,
         FlowFilterName,
         FlowRunFilter,
+        FlowRunFilterState,
         FlowRunFilterStateType,
         FlowRunFilterTags,
     )
@@ -91,7 +96,7 @@ def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRu
 
     tags = FlowRunFilterTags(all_=[f"run:{run}"]) if run else None
     # Pending too: a worker that died between submitting and starting the run leaves it Pending.
-    state = {"type": FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])}
+    state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))
     runs = client.read_flow_runs(
         flow_filter=FlowFilter(name=FlowFilterName(any_=[POINT_FLOW])),
         flow_run_filter=FlowRunFilter(state=state, tags=tags),
@@ -111,17 +116,17 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str]:
         f"{point.last_activity.isoformat()}); the flow-run process or its host is gone"
     )
     with get_client(sync_client=True) as client:
-        fr = client.read_flow_run(point.flow_run_id)
+        fr = client.read_flow_run(UUID(point.flow_run_id))
         client.set_flow_run_state(point.flow_run_id, Crashed(message=message), force=True)
     params = fr.parameters
     retired: list[str] = []
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
     if source is not None and source.owned:
-        staging = StagingBlock.load(params.get("staging", "default")).staging()
+        staging = cast(StagingBlock, StagingBlock.load(params.get("staging", "default"))).staging()
         path = staging.path_for(point.run, point.step)
         staging.retire(path, owned=True)
         retired.append(path)
-    sinks = SinksBlock.load(params.get("sinks", "default"))
+    sinks = cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
     rows = skip_rows(point.run, point.step, SkipReason.CRASHED, message, failed=True)
     if sinks.jsonl_path:
         JsonlSink(sinks.jsonl_path).write_point([r.model_copy(update={"flow_run_id": point.flow_run_id}) for r in rows])
@@ -135,7 +140,7 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str]:
 def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live: set[tuple[str, int]]) -> JanitorReport:
     """Retire unretired snapshots whose points are all terminal (or long orphaned)."""
     logger = get_run_logger()
-    staging = StagingBlock.load(staging_name).staging()
+    staging = cast(StagingBlock, StagingBlock.load(staging_name)).staging()
     report = JanitorReport()
     now = datetime.now(UTC).timestamp()
     runs_cache: dict[str, dict[int, list[FlowRun]]] = {}
@@ -188,9 +193,10 @@ def janitor(
             if quiet <= heartbeat_window_s:
                 live.add((r, step))
                 continue
+            state = (fr.state.name or fr.state.type.value) if fr.state else "Pending"
             stuck.append(
                 StuckPoint(flow_run_id=str(fr.id), name=fr.name or flow_run_name(r, step), run=r, step=step,
-                           state=fr.state.name if fr.state else "Pending", last_activity=seen, quiet_seconds=quiet)
+                           state=state, last_activity=seen, quiet_seconds=quiet)
             )
     report = JanitorReport(crashed=stuck)
     for point in stuck:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -116,14 +116,15 @@ class FlowRunRecord(BaseModel):
             parameters=dict(fr.parameters),
             deployment_id=str(fr.deployment_id) if fr.deployment_id else None,
             state_type=state.type.value if state else "PENDING",
-            state_name=state.name if state else "Pending",
+            state_name=(state.name or state.type.value.title()) if state else "Pending",
             message=state.message if state else None,
-            created=fr.created or fr.expected_start_time,
+            created=fr.created or fr.expected_start_time or datetime.now(UTC),
             start_time=fr.start_time,
             end_time=fr.end_time,
             run_count=fr.run_count,
             states=sorted(
-                ((s.type.value, s.name, s.message, s.timestamp) for s in (states or [])), key=lambda s: s[3]
+                ((s.type.value, s.name or s.type.value.title(), s.message, s.timestamp) for s in (states or [])),
+                key=lambda s: s[3],
             ),
         )
 
@@ -201,7 +202,7 @@ def build_history(run: str, records: list[FlowRunRecord], rows: list[MetricRow])
 
 def _point(run: str, step: int, runs: list[FlowRunRecord], rows: list[MetricRow]) -> PointHistory:
     measured = [r for r in rows if r.state == "measured" and r.dataset is not None]
-    scores = {r.dataset: r.metrics[f"eval/{r.dataset}"] for r in measured if f"eval/{r.dataset}" in r.metrics}
+    scores = {ds: r.metrics[f"eval/{ds}"] for r in measured if (ds := r.dataset) and f"eval/{ds}" in r.metrics}
     lag = next((r.metrics["eval/lag_steps"] for r in rows if "eval/lag_steps" in r.metrics), None)
     version = next((r.weight_version for r in measured if r.weight_version), None)
     attempts = [
@@ -250,16 +251,18 @@ def point_flow_runs(client: SyncPrefectClient, run: str, *, page: int = 200) -> 
         FlowFilter,
         FlowFilterName,
         FlowRunFilter,
+        FlowRunFilterState,
         FlowRunFilterStateType,
         FlowRunFilterTags,
     )
     from prefect.client.schemas.objects import StateType
 
     flows = FlowFilter(name=FlowFilterName(any_=[POINT_FLOW]))
+    not_started = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING]))
     found: dict[str, FlowRun] = {}
     for frf in (
         FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run}"])),
-        FlowRunFilter(state={"type": FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING])}),
+        FlowRunFilter(state=not_started),
     ):
         offset = 0
         while True:
@@ -276,10 +279,10 @@ def point_flow_runs(client: SyncPrefectClient, run: str, *, page: int = 200) -> 
 def _artifact_rows(run: str, step: int) -> list[MetricRow]:
     from prefect.artifacts import Artifact
 
-    art = Artifact.get(f"{history_artifact_key(run)}-step-{step}")
+    art = cast("Artifact | None", Artifact.get(f"{history_artifact_key(run)}-step-{step}"))
     if art is None or not art.data:
         return []
-    table = json.loads(art.data) if isinstance(art.data, str) else art.data
+    table = cast("list[dict[str, Any]]", json.loads(art.data) if isinstance(art.data, str) else art.data)
     return [
         MetricRow(
             run=run,
@@ -298,7 +301,7 @@ def _jsonl_path(sinks_name: str) -> str | None:
     from blocks import SinksBlock
 
     try:
-        return SinksBlock.load(sinks_name).jsonl_path
+        return cast(SinksBlock, SinksBlock.load(sinks_name)).jsonl_path
     except ValueError:  # the block was deleted: fall back to the artifacts
         return None
 

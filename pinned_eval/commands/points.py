@@ -20,7 +20,8 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, cast
+from uuid import UUID
 
 import typer
 
@@ -91,7 +92,7 @@ def wait_terminal(client: SyncPrefectClient, flow_run_id: str, timeout_s: float)
     """The flow run once its state is terminal; exit 1 after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        fr = client.read_flow_run(flow_run_id)
+        fr = client.read_flow_run(UUID(flow_run_id))
         if fr.state is not None and fr.state.is_final():
             return fr
         if time.monotonic() > deadline:
@@ -210,7 +211,7 @@ def ensure_snapshot(client: SyncPrefectClient, last: FlowRunRecord) -> str:
         if gone:
             fail(f"{source.kind} source of {last.name} is gone ({', '.join(gone)}); it cannot be re-exported")
         return f"{source.kind} source present; the flow exports it again" if source.owned else "hf source present"
-    staging = StagingBlock.load(str(last.parameters.get("staging", "default"))).staging()
+    staging = cast(StagingBlock, StagingBlock.load(str(last.parameters.get("staging", "default")))).staging()
     dest = staging.path_for(last.run, last.step)
     check = staging.check(dest)
     if not check.complete:
