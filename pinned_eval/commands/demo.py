@@ -11,9 +11,9 @@ import typer
 
 
 def demo(
-    steps: Annotated[int, typer.Option(help="Training steps (warm-up included).")] = 100,
-    warmup_steps: Annotated[int, typer.Option(help="Supervised warm-up steps.")] = 40,
-    eval_every: Annotated[int, typer.Option(help="An eval point every N steps.")] = 20,
+    steps: Annotated[int, typer.Option(help="Training steps (warm-up included).")] = 700,
+    warmup_steps: Annotated[int, typer.Option(help="Supervised warm-up steps.")] = 300,
+    eval_every: Annotated[int, typer.Option(help="An eval point every N steps.")] = 100,
     policy: Annotated[str, typer.Option(help="At the in-flight bound: backpressure or skip.")] = "backpressure",
     port: Annotated[int | None, typer.Option(help="Prefect server port (default 4200 when free).")] = None,
     exit_after: Annotated[bool, typer.Option("--exit", help="Stop everything after printing the table.")] = False,

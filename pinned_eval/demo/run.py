@@ -13,6 +13,7 @@ Each demo starts from a clean state directory (`<home>/demo`), so it can be run 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import sys
@@ -30,9 +31,9 @@ RUN = "demo"
 class DemoOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    steps: int = Field(default=100, ge=1, description="Training steps (warm-up included).")
-    warmup_steps: int = Field(default=40, ge=0, description="Supervised steps before RL.")
-    eval_every: int = Field(default=20, ge=1, description="An eval point every this many steps.")
+    steps: int = Field(default=700, ge=1, description="Training steps (warm-up included).")
+    warmup_steps: int = Field(default=300, ge=0, description="Supervised steps before RL.")
+    eval_every: int = Field(default=100, ge=1, description="An eval point every this many steps.")
     policy: str = Field(default="backpressure", pattern="^(backpressure|skip)$")
     max_in_flight: int = Field(default=2, ge=1)
     port: int | None = Field(default=None, description="Prefect server port (default 4200 when free).")
@@ -63,6 +64,8 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
     from pinned_eval.prefect_server import use_server
     from pinned_eval.stack import LocalStack
 
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # quiet transformers in every child too
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     home = (opts.home or get_settings().home / "demo").resolve()
     stack = LocalStack(home)
     stack.down()  # a previous demo that was not stopped
