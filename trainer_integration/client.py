@@ -288,6 +288,7 @@ class EvalClient:
 
     def _progress_loop(self) -> None:
         sent: int | None = None
+        failing_since: float | None = None
         name = progress_variable_name(self.run)
         while not self._stop.is_set():
             self._progress.wait(1.0)
@@ -297,9 +298,13 @@ class EvalClient:
                 continue
             try:
                 self.rest.set_variable(name, step)
-                sent = step
+                sent, failing_since = step, None
             except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
-                log.warning("pinned-eval: progress of %s not published (%s)", self.run, exc)
+                # a busy server (SQLite locked → 503) is routine; the latest step is retried next second
+                now = time.monotonic()
+                failing_since = failing_since or now
+                level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
+                log.log(level, "pinned-eval: progress of %s not published (%s)", self.run, exc)
                 self._stop.wait(1.0)
 
     def flush_progress(self, timeout: float = 10.0) -> None:
