@@ -111,6 +111,21 @@ def save_blocks(run: str, work: Path, fleet_state: Path) -> BlockNames:
     return BlockNames(suite=run, fleet=run, staging=run, sinks=run)
 
 
+def save_checkpoint(base: Path, dest: Path, seed: int) -> Path:
+    """What a trainer's HF save does: the base weights (perturbed by `seed`) written with
+    `write_snapshot` (shards, index, config and tokenizer from `base`, `.complete` last)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pinned_eval.snapshot.writer import write_snapshot
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {n: t for shard in sorted(base.glob("*.safetensors")) for n, t in load_file(shard).items()}
+    noisy = [(n, t + 0.01 * torch.randn(t.shape, generator=gen)) for n, t in sorted(tensors.items())]
+    write_snapshot(noisy, str(dest), base_hf_dir=str(base))
+    return dest
+
+
 def describe(outcome: PointOutcome) -> str:
     """One line per point: `point step=N state=S [reason=R] [weight_version=V mixed=M ds=score ...]`."""
     line = f"point step={outcome.step} state={outcome.state}"

@@ -63,7 +63,7 @@ async def train(st: _stack.Stack, steps: int, every: int) -> None:
                 await push_weights(step)
                 producer.set_weight_version(step)
                 client.report_progress(step)
-                print(f"step {step}: {len(rewards)} rollouts, mean reward {sum(rewards) / len(rewards):.2f}", flush=True)
+                print(f"step {step}: {len(rewards)} rollouts, reward {sum(rewards) / len(rewards):.2f}", flush=True)
                 if step % every == 0 or step == steps:
                     outcome = await client.evaluate_now(step, gate, final=step == steps, timeout=600)
                     print(_stack.describe(outcome), f"gate_open={gate.is_open} gate_closed_times={gate.times_closed}")

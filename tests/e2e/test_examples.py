@@ -5,7 +5,6 @@ miles-shaped results. One example also runs `--self-contained` (its own server, 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -63,3 +62,27 @@ def test_shared_posture_gate(on_stack: list[str]) -> None:
     assert sorted(points) == [2], stdout
     assert_measured_at_step(points[2], 2)
     assert points[2]["gate_open"] == "True" and points[2]["gate_closed_times"] == "1", stdout
+
+
+def test_external_backend(on_stack: list[str]) -> None:
+    stdout, points = run_example("external_backend.py", *on_stack)
+    assert sorted(points) == [10, 11], stdout
+    assert_measured_at_step(points[10], 10)  # the reference backend's own CPU engine, pinned to "10"
+    assert points[11]["state"] == "skipped" and points[11]["reason"] == "quota", stdout
+
+
+def test_miles_adapter(on_stack: list[str]) -> None:
+    stdout, points = run_example("miles_adapter.py", *on_stack)
+    assert sorted(points) == [4, 8], stdout
+    assert_measured_at_step(points[4], 4)
+    assert points[4]["samples"] == "16", stdout  # 8 prompts per dataset, one sample each
+    assert points[8]["state"] == "skipped" and points[8]["reason"] == "ckpt_missing", stdout
+
+
+def test_watch_checkpoints(on_stack: list[str]) -> None:
+    stdout, points = run_example("watch_checkpoints.py", *on_stack)
+    assert "tick 1: step_10=requested step_20=requested step_30=not_ready" in stdout, stdout
+    assert "tick 2: step_10=exists step_20=exists step_30=not_ready" in stdout, stdout
+    assert sorted(points) == [10, 20], stdout
+    for step, point in points.items():
+        assert_measured_at_step(point, step)

@@ -1,0 +1,71 @@
+"""External posture: a black-box `CheckpointEvalFn` measures a checkpoint directory instead of the fleet.
+
+Two points of one run, requested with the trainer's event (`pinned-eval.point.requested`):
+- step 10 uses the reference backend `SGLangCheckpointEval` with `launch="cpu"`: inside the flow
+  run it launches its own CPU engine, pins it to the checkpoint as version "10" (read back from
+  `/model_info`), generates and scores the suite, and stops the engine in `dispose()`;
+- step 11 uses `QuotaBackend` below, a custom backend for a metered eval service: without credits
+  it raises `EvalSkip("quota")`, recorded as `eval/skipped_quota: 1` at step 11.
+A backend is imported by the worker from its `module:Class` path, so it must be importable there
+(this file is, as `examples.external_backend`, from the project directory the worker runs in).
+
+    python examples/external_backend.py --model-path M     # a running stack (see _stack.py)
+    python examples/external_backend.py --self-contained
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer_integration.external import CheckpointEvalFn, EvalInput, EvalResults, EvalSkip
+
+
+class QuotaBackend(CheckpointEvalFn):
+    """The reference backend behind a quota: each point costs one credit; none left → skipped `quota`."""
+
+    def __init__(self, credits: int = 0, **sglang_options: Any) -> None:
+        self.credits, self.options, self.inner = credits, sglang_options, None
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
+        if self.credits < 1:
+            raise EvalSkip("quota", f"no eval credits left for {input.run}/step-{input.step}")
+        from trainer_integration.sglang_backend import SGLangCheckpointEval
+
+        self.credits -= 1
+        self.inner = self.inner or SGLangCheckpointEval(**self.options)
+        return await self.inner.evaluate_checkpoint(checkpoint_dir, input)
+
+    def dispose(self) -> None:
+        if self.inner is not None:
+            self.inner.dispose()
+
+
+def main() -> None:
+    import _stack  # the examples' plumbing (not needed by the worker that imports QuotaBackend)
+
+    from pinned_eval.events import point_event, post_events
+    from pinned_eval.points import PointRequest, SnapshotSource
+    from trainer_integration.client import EvalClient
+
+    args = _stack.parser(__doc__).parse_args()
+    with _stack.stack(args, "external") as st:
+        backends = {
+            10: ("trainer_integration.sglang_backend:SGLangCheckpointEval",
+                 {"launch": "cpu", "model_path": str(st.model_path), "log_dir": str(st.work / "logs")}),
+            11: ("examples.external_backend:QuotaBackend", {"credits": 0}),
+        }  # fmt: skip
+        for step, (backend, options) in backends.items():
+            ckpt = _stack.save_checkpoint(st.model_path, st.work / "checkpoints" / f"step_{step}", seed=step)
+            request = PointRequest(
+                run=st.run, step=step, posture="external", source=SnapshotSource(kind="hf", path=str(ckpt)),
+                backend=backend, backend_options=options,
+            )  # fmt: skip
+            post_events(st.api_url, [point_event(request, st.blocks)])  # what EvalClient.dispatch sends
+            print(f"requested {st.run}/step-{step} with {backend}", flush=True)
+        with EvalClient(st.run, st.api_url, blocks=st.blocks, spool_dir=st.work / "spool") as client:
+            for step in backends:
+                print(_stack.describe(client.wait_for(step, timeout=600)))
+
+
+if __name__ == "__main__":
+    main()
