@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pinned_eval.points import history_artifact_key
+from pinned_eval.points import Outcome, history_artifact_key, outcome_of, reason_of
 from pinned_eval.sinks import MetricRow
 
 if TYPE_CHECKING:
@@ -34,35 +34,6 @@ POINT_FLOW = "eval-point"
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
 RETRYABLE = frozenset({"FAILED", "CRASHED", "CANCELLED"})
 
-Outcome = Literal["measured", "skipped", "failed", "crashed", "cancelled", "running", "pending", "scheduled"]
-
-
-def outcome_of(state_type: str, state_name: str | None) -> Outcome:
-    """The eval outcome a Prefect state stands for (Completed named "Skipped" is a skip)."""
-    match state_type:
-        case "COMPLETED":
-            return "skipped" if state_name == "Skipped" else "measured"
-        case "FAILED":
-            return "failed"
-        case "CRASHED":
-            return "crashed"
-        case "CANCELLED" | "CANCELLING":
-            return "cancelled"
-        case "RUNNING":
-            return "running"
-        case "SCHEDULED":
-            return "scheduled"
-        case _:  # PENDING, PAUSED
-            return "pending"
-
-
-def reason_of(outcome: Outcome, message: str | None) -> str | None:
-    """Skip reason: `"<reason>: ..."` messages of skips; `crashed` for failed and crashed points."""
-    if outcome == "skipped" and message:
-        return message.split(":", 1)[0].strip() or None
-    if outcome in ("failed", "crashed"):
-        return "crashed"
-    return None
 
 
 class Attempt(BaseModel):

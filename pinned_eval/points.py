@@ -125,3 +125,34 @@ def progress_variable_name(run: str) -> str:
 def history_artifact_key(run: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     return f"eval-{run.replace('_', '-')}"
+
+
+Outcome = Literal["measured", "skipped", "failed", "crashed", "cancelled", "running", "pending", "scheduled"]
+
+
+def outcome_of(state_type: str, state_name: str | None) -> Outcome:
+    """The eval outcome a flow run's Prefect state stands for (Completed named "Skipped" is a skip)."""
+    match state_type:
+        case "COMPLETED":
+            return "skipped" if state_name == "Skipped" else "measured"
+        case "FAILED":
+            return "failed"
+        case "CRASHED":
+            return "crashed"
+        case "CANCELLED" | "CANCELLING":
+            return "cancelled"
+        case "RUNNING":
+            return "running"
+        case "SCHEDULED":
+            return "scheduled"
+        case _:  # PENDING, PAUSED
+            return "pending"
+
+
+def reason_of(outcome: Outcome, message: str | None) -> str | None:
+    """Skip reason: `"<reason>: ..."` messages of skips; `crashed` for failed and crashed points."""
+    if outcome == "skipped" and message:
+        return message.split(":", 1)[0].strip() or None
+    if outcome in ("failed", "crashed"):
+        return "crashed"
+    return None

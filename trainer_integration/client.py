@@ -40,7 +40,7 @@ from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from trainer_integration.events import SINKS_BLOCK_SLUG, Delivery, event_entry, skip_record_entry
 from trainer_integration.rest import ApiUnavailableError, PointRun, PrefectRest, api_client
-from trainer_integration.results import DispatchResult, PointOutcome, outcome_of
+from trainer_integration.results import DispatchResult, PointOutcome, point_outcome
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ class EvalClient:
         by_step: dict[int, list[PointRun]] = {}
         for r in runs:
             by_step.setdefault(r.step, []).append(r)
-        return [outcome_of(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
+        return [point_outcome(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
 
     def _sink_rows(self) -> dict[int, dict[str | None, dict[str, float]]]:
         from pinned_eval.sinks import JsonlSink

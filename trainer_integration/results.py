@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pinned_eval.points import outcome_of as state_outcome
+from pinned_eval.points import reason_of
 from trainer_integration.rest import PointRun
 
 Action = Literal["requested", "exists", "not_due", "skipped_busy", "skipped_export_failed"]
@@ -42,22 +44,13 @@ class PointOutcome(BaseModel):
     metrics: dict[str, dict[str, float]] = Field(default_factory=dict, description="dataset -> metrics")
 
 
-def outcome_of(step: int, runs: list[PointRun], rows: dict[str | None, dict[str, float]]) -> PointOutcome:
+def point_outcome(step: int, runs: list[PointRun], rows: dict[str | None, dict[str, float]]) -> PointOutcome:
     if not runs:
         return PointOutcome(step=step, state="pending")
     run = runs[-1]
-    reason: str | None = None
-    state: OutcomeState
-    if not run.terminal:
-        state = "pending"
-    elif run.state_type == "COMPLETED" and run.state_name == "Skipped":
-        state, reason = "skipped", (run.message or "").split(":", 1)[0] or None
-    elif run.state_type == "COMPLETED":
-        state = "measured"
-    elif run.state_type == "CANCELLED":
-        state = "cancelled"
-    else:
-        state, reason = ("crashed" if run.state_type == "CRASHED" else "failed"), "crashed"
+    kind = state_outcome(run.state_type, run.state_name) if run.terminal else "pending"
+    state: OutcomeState = "pending" if kind in ("running", "scheduled") else kind  # type: ignore[assignment]
+    reason = reason_of(kind, run.message)
     metrics = {k: v for k, v in rows.items() if k is not None} if state == "measured" else {}
     return PointOutcome(
         step=step,

@@ -234,8 +234,8 @@ def rerun(
     """Run a finished point again: retry a failed one in place, re-trigger a skipped one."""
     from prefect.states import Scheduled
 
-    from pinned_eval.history import RETRYABLE, TERMINAL, outcome_of
-    from pinned_eval.points import flow_run_name
+    from pinned_eval.history import RETRYABLE, TERMINAL
+    from pinned_eval.points import flow_run_name, outcome_of
 
     name = flow_run_name(run, step)
     with prefect_client() as client:
