@@ -11,7 +11,8 @@ Contract:
 - Health never calls a loading or paused engine dead: a 503 is "busy" while this client has a load
   or pause in flight, and otherwise until `dead_after_s` has passed with the 503 persisting. Only
   connection refused, or that persisting 503, is "dead". An engine whose weights are unknown and
-  answers 503 while `/model_info` answers is busy but loadable (the next load heals it), not dead.
+  answers 503 while `/model_info` answers is busy but loadable (the next load heals it), not dead;
+  a later client learns it from the engine when the engine reports it (`weights_ok` false).
 - Weights are "unknown" on an engine from the start of a load until a pin verifies it, after a failed
   load and after a revival; such an engine is never registered with the router.
 - `generate` retries `finish_reason.type == "abort"` (bounded) and raises `WeightVersionMismatch`
@@ -203,10 +204,24 @@ class FleetClient:
             return self._view(rec, HealthState.DEAD, f"503 then unreachable: {exc!r}", status)
         except (httpx.TransportError, FleetError) as exc:
             return self._view(rec, HealthState.BUSY, f"503; /model_info failed too: {exc!r}", status)
-        if not rec.weights_known:
+        if not rec.weights_known or await self._reports_weights_unknown(rec.url):
             # An engine may refuse to serve unknown weights (the bundled CPU engine does): a load heals it.
+            rec.weights_known, rec.verified_version = False, None
             return self._view(rec, HealthState.BUSY, "503 with weights unknown; needs a load", status, loadable=True)
         return self._view(rec, HealthState.BUSY, f"503 for {persisted:.0f}s; /model_info answers", status)
+
+    async def _reports_weights_unknown(self, url: str) -> bool:
+        """The engine itself says its weights are unknown after a failed load (the bundled CPU engine's
+        `/server_info` `internal_states[0].weights_ok`; SGLang has no such flag), so a client that did
+        not see the failed load (a later point's) reloads it instead of waiting `dead_after_s`."""
+        try:
+            info = await self.engines.server_info(url)
+        except (httpx.TransportError, FleetError, ValueError):  # ValueError: not JSON
+            return False
+        states = info.get("internal_states")
+        return bool(states) and isinstance(states, list) and isinstance(states[0], dict) and (
+            states[0].get("weights_ok") is False
+        )
 
     async def _health_status(self, url: str) -> int:
         """`/health` status; a dropped connection (not a refused one) is asked again once on a new one."""

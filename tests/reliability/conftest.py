@@ -32,3 +32,15 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     finally:
         with contextlib.suppress(subprocess.SubprocessError):
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def fleet_reaper(cpu_fleet):  # type: ignore[no-untyped-def]
+    """Tests that SIGKILL an engine of the session fleet get it revived under a new PID, which the
+    session fixture does not know: at session end stop what the state file records (before the
+    session fleet's own teardown, which then finds its old PIDs gone)."""
+    yield cpu_fleet
+    from pinned_eval.fleet.launcher import LaunchedFleet
+
+    if cpu_fleet.state_file.exists():
+        LaunchedFleet.load(cpu_fleet.state_file).stop()

@@ -5,6 +5,7 @@
   5xx, `drop` closes the connection without an answer, `stall` holds the request until
   `release()`. Every request is recorded (method, path, what was done), so a test can count
   retries.
+  An optional `rewrite` hook changes upstream answers (an engine that misreports).
 - `ScriptedServer`: a misbehaving HTTP server answering canned responses per (method, path);
   it records what it was asked.
 Threads are daemons; `close()` stops the listener.
@@ -61,6 +62,8 @@ class FaultyHTTPProxy:
     upstream: str
     rules: list[Rule] = field(default_factory=list)
     requests: list[Seen] = field(default_factory=list)
+    # rewrite(method, path, upstream body) -> body answered instead (a liar in front of an engine)
+    rewrite: Callable[[str, str, bytes], bytes] | None = None
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -94,7 +97,8 @@ class FaultyHTTPProxy:
                     for k, v in resp.headers.items()
                     if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding")
                 }
-                self._reply(resp.status_code, keep, resp.content, head=self.command == "HEAD")
+                content = proxy.rewrite(self.command, self.path, resp.content) if proxy.rewrite else resp.content
+                self._reply(resp.status_code, keep, content, head=self.command == "HEAD")
 
             def _reply(self, status: int, headers: dict[str, str], content: bytes, head: bool = False) -> None:
                 self.send_response(status)
