@@ -1,11 +1,36 @@
 #!/usr/bin/env bash
-# System packages some tests drive for real: Chromium (UI check) and PostgreSQL (scale-out).
-# Installs what is missing with apt-get when run as root; otherwise those tests skip with a reason.
+# Services the test suite needs beyond the virtualenv, installed once per machine (idempotent).
+#
+# - PostgreSQL server binaries (Debian `postgresql`) for tests/reliability/test_scale_out.py,
+#   which starts its own throwaway cluster on 127.0.0.1 (initdb into a temp dir). Nothing is
+#   started here: Debian's default cluster is not created, so no server listens on 5432.
+#
+# Without root (or apt-get) nothing is installed and the scale-out test skips with its reason.
 set -euo pipefail
-need=()
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
-ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
-if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+
+have_postgres() {
+  command -v initdb >/dev/null 2>&1 && command -v pg_ctl >/dev/null 2>&1 && return 0
+  compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null
+}
+
+if have_postgres; then
+  echo "ci-services: PostgreSQL server binaries present"
+  exit 0
 fi
+if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "ci-services: PostgreSQL not installed and cannot apt-get here; the scale-out test will skip" >&2
+  exit 0
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+# postgresql-common first, so the default cluster (a server on 5432) is never created
+apt-get install -y -qq --no-install-recommends postgresql-common >/dev/null
+conf=/etc/postgresql-common/createcluster.conf
+if grep -qE '^\s*#?\s*create_main_cluster' "$conf"; then
+  sed -i -E 's/^\s*#?\s*create_main_cluster.*/create_main_cluster = false/' "$conf"
+else
+  echo 'create_main_cluster = false' >>"$conf"
+fi
+apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+have_postgres && echo "ci-services: PostgreSQL installed: $(ls -d /usr/lib/postgresql/*/bin | tail -1)"
