@@ -52,7 +52,7 @@ def auth_fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_engine_refuses_control_calls_without_the_admin_token(auth_fleet, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
-    fleet, api_key, admin_key = auth_fleet
+    fleet, api_key, _admin_key = auth_fleet
     [url] = fleet.engine_urls
     load = {"model_path": str(tiny_model), "weight_version": "evil"}
     with httpx.Client(timeout=60) as http:
@@ -60,7 +60,8 @@ def test_engine_refuses_control_calls_without_the_admin_token(auth_fleet, tiny_m
             assert http.post(f"{url}/update_weights_from_disk", json=load, headers=headers).status_code == 401
             assert http.post(f"{url}/update_weight_version", json={"new_version": "evil"},
                              headers=headers).status_code == 401
-        assert http.post(f"{url}/generate", json={"text": "1", "sampling_params": {"max_new_tokens": 1}}).status_code == 401
+        one_token = {"text": "1", "sampling_params": {"max_new_tokens": 1}}
+        assert http.post(f"{url}/generate", json=one_token).status_code == 401
         assert http.get(f"{url}/model_info").status_code == 401
         assert http.get(f"{url}/health").status_code == 200, "health stays open, as in SGLang"
         info = http.get(f"{url}/model_info", headers={"Authorization": f"Bearer {api_key}"}).json()
@@ -171,7 +172,7 @@ _POINT = textwrap.dedent("""
 
 
 def test_flow_and_cli_work_with_the_auth_string_and_fail_clearly_without(auth_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    api, env = auth_server
+    _api, env = auth_server
     run = f"a{uuid.uuid4().hex[:8]}"
     ok = subprocess.run([sys.executable, "-c", _POINT, str(tmp_path), run], cwd=REPO, capture_output=True, text=True,
                         timeout=240, env=dict(env, PREFECT_API_AUTH_STRING=AUTH))
