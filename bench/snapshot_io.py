@@ -3,7 +3,8 @@
 1. export: `write_snapshot` (local dir, fsync'd shards) vs a raw `numpy.tofile` of the same tensor
    bytes into one file (+ fsync) — goal >= 0.85;
 2. S3 upload: `Staging.put` (s3fs, marker last) vs boto3 `upload_file` of the same files to the
-   same moto server (a separate `moto_server` process on 127.0.0.1) — goal >= 0.9;
+   same moto server (a separate `moto_server` process on 127.0.0.1) — goal >= 0.9; plus one
+   32 MiB PUT through each client, to separate the HTTP transport from the upload strategy;
 3. completeness check: 1 GiB vs 1 MiB snapshot with the same shard count, local and on S3 —
    goal ~= 1 (header reads only, so size must not matter);
 4. (why the writer streams shards) one shard written by `write_snapshot` vs safetensors' own
@@ -201,6 +202,12 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
         t, r, ratio = _paired(lambda: staging.put(big, "bench", 1), boto_upload, repeats, wipe, wipe)
         rows.append(("S3 upload: Staging.put vs boto3 upload_file (MiB/s)", mib / t, mib / r,
                      f"{ratio:.2f}", ">= 0.9"))
+
+        body = os.urandom(32 * MiB)  # the transport alone: one PUT of the same bytes, no multipart
+        t, r, ratio = _paired(lambda: staging.fs.pipe_file("bench/put/a", body),
+                              lambda: client.put_object(Bucket="bench", Key="put/b", Body=body), repeats, wipe, wipe)
+        rows.append(("  transport alone: one 32 MiB PUT, s3fs vs boto3 (MiB/s)", 32 / t, 32 / r,
+                     f"{ratio:.2f}", "(why)"))
 
         wipe()
         big_s3, small_s3 = staging.put(big, "bench", 1), staging.put(tiny, "bench", 2)

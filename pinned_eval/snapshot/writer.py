@@ -276,10 +276,8 @@ def write_snapshot(
             export_id=export_id, index_sha256=hashlib.sha256(index_bytes).hexdigest(), total_size=total,
             files=dict(w.written), created_at=datetime.now(UTC).isoformat(), metadata=meta,
         )
+        # Not fsync'd: a marker lost in a crash only makes the snapshot read as incomplete.
         w.write_bytes(MARKER, manifest.model_dump_json(indent=2).encode())
-        if w.local:
-            fsync_path(w.path(MARKER))
-            fsync_path(root)
     except BaseException:
         _remove_partial(fs, root, w, made_dir)
         raise
