@@ -145,3 +145,25 @@ def test_bad_inputs_fail_before_writing(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         write_snapshot(named_tensors(n=1), str(tmp_path / "c"), metadata={"bad": object()})
     assert not any(tmp_path.iterdir())
+
+
+def test_shard_written_once_when_its_last_tensor_arrives(tmp_path: Path) -> None:
+    ts = named_tensors(n=6)[:6]  # six 12 KiB fp32 tensors -> three shards of two
+    plan = [TensorSpec.of(n, t) for n, t in ts]
+    dest = tmp_path / "s"
+    first = dest / "model-00001-of-00003.safetensors"
+    seen: dict[str, tuple[int, int]] = {}
+
+    def stream():
+        yield ts[0]
+        yield ts[2]  # out of order: shard 2 opens before shard 1 is complete
+        assert not first.exists(), "shard 1 written before all its tensors arrived"
+        yield ts[1]
+        st = first.stat()  # shard 1 is complete now, and on disk
+        seen["first"] = (st.st_ino, st.st_mtime_ns)
+        yield from ts[3:]
+
+    write_snapshot(stream(), str(dest), plan=plan, max_shard_bytes=2 * 64 * 48 * 4)
+    st = first.stat()
+    assert (st.st_ino, st.st_mtime_ns) == seen["first"], "shard 1 was rewritten"
+    assert check_snapshot(str(dest)).complete
