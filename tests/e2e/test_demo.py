@@ -89,7 +89,9 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
-    assert proc.returncode == 0, "".join(out[-40:])
+    # make reports a Ctrl-C'd recipe as "Interrupt" (exit 2); the demo itself must have cleaned up
+    assert proc.returncode in (0, 2, 130), "".join(out[-40:])
+    assert "stopping the Prefect server and worker" in "".join(out), "".join(out[-40:])
     time.sleep(1)
     left = _descendants_mentioning(str(tmp_path))
     assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
