@@ -109,6 +109,7 @@ def _check_ui(ui: str, steps: list[int], screenshot: Path) -> None:
             page.goto(ui)
             page.get_by_text(f"demo/step-{max(steps)}").first.wait_for(timeout=90_000)
             names = set(page.get_by_text("demo/step-").all_inner_texts())
+            page.wait_for_load_state("networkidle")  # task-run counts and pool names load after the list
             page.screenshot(path=str(screenshot))
         finally:
             browser.close()
