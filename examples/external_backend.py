@@ -24,7 +24,8 @@ class QuotaBackend(CheckpointEvalFn):
     """The reference backend behind a quota: each point costs one credit; none left → skipped `quota`."""
 
     def __init__(self, credits: int = 0, **sglang_options: Any) -> None:
-        self.credits, self.options, self.inner = credits, sglang_options, None
+        self.credits, self.options = credits, sglang_options
+        self.inner: CheckpointEvalFn | None = None  # the reference backend, launched on first use
 
     async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
         if self.credits < 1:
@@ -32,7 +33,8 @@ class QuotaBackend(CheckpointEvalFn):
         from trainer_integration.sglang_backend import SGLangCheckpointEval
 
         self.credits -= 1
-        self.inner = self.inner or SGLangCheckpointEval(**self.options)
+        if self.inner is None:
+            self.inner = SGLangCheckpointEval(**self.options)
         return await self.inner.evaluate_checkpoint(checkpoint_dir, input)
 
     def dispose(self) -> None:

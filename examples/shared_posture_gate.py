@@ -29,12 +29,13 @@ async def train(st: _stack.Stack, steps: int, every: int) -> None:
     from trainer_integration.client import EvalClient
     from trainer_integration.gate import ProducerGate
     from trainer_integration.producer import FullyAsyncProducer, ProducerConfig
+    from trainer_integration.rollout_buffer import Sample
 
     engines, router = st.fleet_urls()
     http = httpx.AsyncClient(timeout=120)
 
-    async def generate_group(group, sample_done):  # type: ignore[no-untyped-def]  # one /generate per sample
-        async def one(s) -> None:  # type: ignore[no-untyped-def]
+    async def generate_group(group: list[Sample], sample_done: object) -> list[Sample]:  # one /generate per sample
+        async def one(s: Sample) -> None:
             params = {"max_new_tokens": 3, "temperature": 1.0, "stop": ["\n"]}
             out = (await http.post(f"{router}/generate", json={"text": s.prompt, "sampling_params": params})).json()
             s.response, s.status, s.reward = out["text"], "completed", reward(out["text"], s.label)

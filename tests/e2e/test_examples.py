@@ -4,10 +4,11 @@ results, idempotent watch ticks.
 
 They run against the session's real stack (Prefect server, deployed eval-point with a process
 worker, CPU fleet behind sglang-router), and one also runs `--self-contained` (its own server,
-deployments, worker and fleet, stopped when it ends). To fit the time budget, the shared-posture
-example runs first and alone (it pushes weights onto the fleet's engines itself, outside the fleet
-lock, as a trainer does to its own engines); the others then run concurrently (their points take
-turns on the fleet through its `fleet-default` lock) and each test waits for its own process.
+deployments, worker and fleet, stopped when it ends). To fit the time budget, most run
+concurrently (their points take turns on the fleet through its `fleet-default` lock) and each
+test waits for its own process. Two run alone, first: the shared-posture example pushes weights
+onto the fleet's engines itself, outside the fleet lock, as a trainer does to its own engines; the
+miles adapter creates its flow runs with a single POST that a busy SQLite server can answer 503.
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ def concurrent(on_stack: list[str], tmp_path_factory: pytest.TempPathFactory) ->
         for name, extra in {
             "fleet_posture_pytorch_loop.py": ["--steps", "4", "--every", "2"],
             "external_backend.py": [],
-            "miles_adapter.py": [],
             "watch_checkpoints.py": [],
         }.items():
             started[name] = Example(name, *on_stack, "--work-dir", str(work), *extra)
@@ -120,15 +120,28 @@ def assert_measured_at_step(point: dict[str, str], step: int) -> None:
     assert {"arith_add", "arith_sub"} <= point.keys(), point
 
 
-def test_shared_posture_gate(on_stack: list[str], tmp_path: Path) -> None:
-    example = Example("shared_posture_gate.py", *on_stack, "--work-dir", str(tmp_path), "--steps", "2", "--every", "2")
+def run_alone(name: str, *args: str) -> tuple[str, dict[int, dict[str, str]]]:
+    example = Example(name, *args)
     try:
-        stdout, points = example.result()
+        return example.result()
     finally:
         example.stop()
+
+
+def test_shared_posture_gate(on_stack: list[str], tmp_path: Path) -> None:
+    stdout, points = run_alone("shared_posture_gate.py", *on_stack, "--work-dir", str(tmp_path), "--steps", "2",
+                               "--every", "2")  # fmt: skip
     assert sorted(points) == [2], stdout
     assert_measured_at_step(points[2], 2)  # the live engines, at the version the trainer pushed
     assert points[2]["gate_open"] == "True" and points[2]["gate_closed_times"] == "1", stdout
+
+
+def test_miles_adapter(on_stack: list[str], tmp_path: Path) -> None:
+    stdout, points = run_alone("miles_adapter.py", *on_stack, "--work-dir", str(tmp_path))
+    assert sorted(points) == [4, 8], stdout
+    assert_measured_at_step(points[4], 4)
+    assert points[4]["samples"] == "16", stdout  # 8 prompts per dataset, one sample each
+    assert points[8]["state"] == "skipped" and points[8]["reason"] == "ckpt_missing", stdout
 
 
 def test_fleet_posture_pytorch_loop(concurrent: dict[str, Example]) -> None:
@@ -144,14 +157,6 @@ def test_external_backend(concurrent: dict[str, Example]) -> None:
     assert sorted(points) == [10, 11], stdout
     assert_measured_at_step(points[10], 10)  # the reference backend's own CPU engine, pinned to "10"
     assert points[11]["state"] == "skipped" and points[11]["reason"] == "quota", stdout
-
-
-def test_miles_adapter(concurrent: dict[str, Example]) -> None:
-    stdout, points = concurrent["miles_adapter.py"].result()
-    assert sorted(points) == [4, 8], stdout
-    assert_measured_at_step(points[4], 4)
-    assert points[4]["samples"] == "16", stdout  # 8 prompts per dataset, one sample each
-    assert points[8]["state"] == "skipped" and points[8]["reason"] == "ckpt_missing", stdout
 
 
 def test_watch_checkpoints(concurrent: dict[str, Example]) -> None:
