@@ -73,6 +73,8 @@ class EvalClient:
         http: httpx.Client | None = None,
         poll_s: float = 0.5,
         visible_timeout_s: float = 120.0,
+        backend: str | None = None,
+        backend_options: dict[str, Any] | None = None,
     ) -> None:
         settings = settings or PrefectApiSettings()
         url = api_url or settings.api_url
@@ -83,6 +85,7 @@ class EvalClient:
         if eval_interval is not None and eval_interval < 1:
             raise ValueError(f"eval_interval: must be >= 1, got {eval_interval}")
         self.run = run
+        self.backend, self.backend_options = backend, backend_options  # external posture's CheckpointEvalFn
         self.blocks = blocks or BlockNames()
         self.policy = policy
         self.max_in_flight = max_in_flight
@@ -223,7 +226,7 @@ class EvalClient:
             self._record_skip(step, source, final, posture, "busy", f"{n} points in flight (max {self.max_in_flight})")
             return DispatchResult(action="skipped_busy", stall_seconds=time.monotonic() - t0, **common)
         export_time = None
-        if export is not None and source is None and posture is Posture.FLEET:
+        if export is not None and source is None and posture is not Posture.SHARED:
             if self._staging is None:
                 raise ValueError("staging_root: an in-loop export needs the client's staging_root")
             dest = self._staging.path_for(self.run, step)
@@ -255,6 +258,8 @@ class EvalClient:
             policy=self.policy,
             max_in_flight=self.max_in_flight,
             export_time_seconds=export_time,
+            backend=self.backend if posture is Posture.EXTERNAL else None,
+            backend_options=self.backend_options if posture is Posture.EXTERNAL else None,
         )
 
     def _record_skip(

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from pinned_eval.events import BlockNames
 from pinned_eval.points import (
@@ -141,6 +142,10 @@ class PointOutcome(BaseModel):
     message: str | None = None
 
 
+class _Busy(Exception):
+    """The Prefect API is momentarily unavailable (retried)."""
+
+
 class PinnedEvalREST:
     """The few Prefect REST calls the adapter needs (plain httpx)."""
 
@@ -150,10 +155,31 @@ class PinnedEvalREST:
         self.base = config.api_url.rstrip("/")
 
     async def _json(self, method: str, path: str, body: Any = None) -> Any:
-        resp = await self.http.request(method, f"{self.base}{path}", json=body, headers=self.config.headers())
+        """One REST call; a busy server (5xx, 429, transport error) is retried briefly — every call
+        here is idempotent (reads, and a create with an idempotency key)."""
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(_Busy),
+                stop=stop_after_attempt(5),
+                wait=wait_exponential(multiplier=0.25, max=4.0),
+                reraise=True,
+            ):
+                with attempt:
+                    resp = await self._request(method, path, body)
+        except _Busy as exc:
+            raise PointFailed(f"Prefect API unavailable: {exc}") from exc
         if resp.status_code >= 400:
             raise PointFailed(f"{method} {path} answered HTTP {resp.status_code}: {resp.text[:500]}")
         return resp.json()
+
+    async def _request(self, method: str, path: str, body: Any) -> httpx.Response:
+        try:
+            resp = await self.http.request(method, f"{self.base}{path}", json=body, headers=self.config.headers())
+        except httpx.TransportError as exc:
+            raise _Busy(f"{method} {path}: {exc!r}") from exc
+        if resp.status_code >= 500 or resp.status_code == 429:
+            raise _Busy(f"{method} {path}: HTTP {resp.status_code}")
+        return resp
 
     async def create_point_run(self, step: int, hf_dir: str) -> str:
         """Create (or find, by idempotency key) the point's flow run; returns its id."""

@@ -18,12 +18,16 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from pinned_eval.settings import PrefectApiSettings
 
 NON_TERMINAL = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
 TERMINAL = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
 _PAGE = 200
+
+
+_ATTEMPTS = 4  # a busy server (SQLite locked → 503) usually answers within a second or two
 
 
 class ApiUnavailableError(RuntimeError):
@@ -71,11 +75,24 @@ class PrefectRest:
         self.flow_name = flow_name
 
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One API call, retried briefly while the server is busy (every call made here is
+        idempotent: reads, event ids, idempotency keys, upserts); then `ApiUnavailableError`."""
+        for attempt in Retrying(
+            retry=retry_if_exception_type(ApiUnavailableError),
+            stop=stop_after_attempt(_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.25, max=2.0),
+            reraise=True,
+        ):
+            with attempt:
+                return self._call_once(method, path, **kwargs)
+        raise AssertionError("unreachable")  # Retrying re-raises the last error
+
+    def _call_once(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             resp = self.http.request(method, f"{self.api}{path}", **kwargs)
         except httpx.TransportError as exc:
             raise ApiUnavailableError(f"{method} {path}: {exc!r}") from exc
-        if resp.status_code >= 500:
+        if resp.status_code >= 500 or resp.status_code == 429:
             raise ApiUnavailableError(f"{method} {path}: HTTP {resp.status_code}")
         return resp
 
