@@ -6,7 +6,8 @@ Contract:
   and `state_dict` are converted into `staging.path_for(run, step)`. Any export failure removes
   what it wrote and raises `EvalSkipped(EXPORT_FAILED)`.
 - `check_snapshot_task` reads headers only and raises `EvalSkipped(CKPT_MISSING)` with the
-  typed problem (missing marker, truncated shard, ...); an S3 snapshot is then materialized
+  typed problem (missing marker, truncated shard, ...; a base checkpoint without a marker gets
+  every structural check but the marker's); an S3 snapshot is then materialized
   into the engine-visible local cache and `Snapshot.local_path` is set.
 - `retire_snapshot` runs in the flow's `finally` and the `on_crashed` hook: owned snapshots
   enter the run's keep-ring, anything else is left alone.
@@ -78,11 +79,8 @@ def export_snapshot(source: SnapshotSource, run: str, step: int, staging: Stagin
 
 @task(cache_policy=NO_CACHE, task_run_name="check")
 def check_snapshot_task(snapshot: Snapshot, staging: Staging) -> Snapshot:
-    if not snapshot.require_marker:
-        if not Path(snapshot.path).is_dir():
-            raise EvalSkipped(SkipReason.CKPT_MISSING, f"{snapshot.path} is not a directory")
-        return snapshot.model_copy(update={"local_path": snapshot.path})
-    result = check_snapshot(snapshot.path, staging.storage_options if snapshot.owned else None)
+    options = staging.storage_options if snapshot.owned else None
+    result = check_snapshot(snapshot.path, options, require_marker=snapshot.require_marker)
     if not result.complete:
         raise EvalSkipped(SkipReason.CKPT_MISSING, f"{snapshot.path}: {result.problem}: {result.detail}")
     local = staging.materialize(snapshot.path) if snapshot.path.startswith("s3://") else Path(snapshot.path)
