@@ -357,12 +357,12 @@ class FleetClient:
         if not load.ok:
             problems.append(f"load failed ({load.error}, HTTP {load.status_code}): {load.message[:300]}")
         if info is None:
-            problems.append(f"read-back failed: {read_error}")
+            problems.append(f"read-back failed: {read_error:.500}")
         else:
-            if got_version != version:
-                problems.append(f"reads back weight_version {got_version!r}, expected {version!r}")
+            if got_version != version:  # reported values are cut: an engine may answer anything
+                problems.append(f"reads back weight_version {got_version!r:.200}, expected {version!r}")
             if got_path != path:
-                problems.append(f"reads back model_path {got_path!r}, expected {path!r}")
+                problems.append(f"reads back model_path {got_path!r:.300}, expected {path!r}")
         return EngineCheck(
             url=load.url,
             load=load,

@@ -5,18 +5,23 @@ Contract (SGLang 0.5.2 .. 0.5.23, see the protocol reference §1):
 - `load` posts `/update_weights_from_disk` with `abort_all_requests` and `flush_cache` and a long
   timeout; it never raises on a failed load, it returns a `LoadOutcome` (400 = rejected, weights
   unknown afterwards).
+- A reply that is not the JSON the protocol promises raises `EngineHTTPError` naming the endpoint
+  and the field (never a bare decode/validation error).
 - Auth: control endpoints take the admin key when one is set, else the API key; data-plane
   reads (`/model_info`, `/server_info`) take the API key. `/health` is always open.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from pinned_eval.fleet.errors import EngineHTTPError
 from pinned_eval.fleet.models import EngineInfo, LoadOutcome, normalize_url
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def bearer(key: str | None) -> dict[str, str]:
@@ -34,6 +39,22 @@ def _message(resp: httpx.Response) -> str:
             if key in body:
                 return str(body[key])
     return resp.text
+
+
+def parse_reply(url: str, endpoint: str, resp: httpx.Response, model: type[M], extra: dict[str, Any]) -> M:
+    """A 200 reply as `model`; a body that is not a JSON object or misses/mistypes a field is an
+    `EngineHTTPError` naming the endpoint and the field (a misbehaving engine, not a crash)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        raise EngineHTTPError(url, resp.status_code, f"{endpoint}: reply is not JSON: {resp.text[:200]!r}") from None
+    if not isinstance(body, dict):
+        raise EngineHTTPError(url, resp.status_code, f"{endpoint}: reply is not a JSON object: {resp.text[:200]!r}")
+    try:
+        return model.model_validate({**body, **extra})
+    except ValidationError as exc:
+        bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        raise EngineHTTPError(url, resp.status_code, f"{endpoint}: {bad}") from None
 
 
 class EngineAPI:
@@ -66,7 +87,7 @@ class EngineAPI:
             )
         if resp.status_code != 200:
             raise EngineHTTPError(url, resp.status_code, resp.text)
-        return EngineInfo.model_validate({**resp.json(), "url": url})
+        return parse_reply(url, "/model_info", resp, EngineInfo, {"url": url})
 
     async def server_info(self, url: str) -> dict[str, Any]:
         """Startup server args (`/server_info`, falling back to `/get_server_info`); not the live version."""

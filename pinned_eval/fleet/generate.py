@@ -7,6 +7,8 @@ Contract:
 - A router 503 (no healthy worker during a health-check cycle) is retried with backoff, boundedly.
 - A response whose `finish_reason.type == "abort"` (e.g. a weight load aborted it) is sent again,
   with a fresh rid, at most `abort_retries` times, then `GenerationAborted`; it is never returned.
+- A reply that is not one JSON result object (or misses/mistypes a field) is `GenerateRejected`
+  naming the field.
 - A returned result always carries `meta_info.weight_version == expected` and no span of another
   version, else `WeightVersionMismatch`.
 - At most `max_concurrency` requests are in flight per `RouterGenerator` (asyncio.Semaphore).
@@ -18,6 +20,7 @@ import asyncio
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from pinned_eval.fleet.engine_api import bearer
 from pinned_eval.fleet.errors import FleetError, GenerateRejected, GenerationAborted, WeightVersionMismatch
@@ -77,6 +80,21 @@ class RouterGenerator:
         self.abort_retries = abort_retries
         self.unavailable_retries = unavailable_retries
 
+    def _parse(self, resp: httpx.Response, sent: int) -> GenerateResult:
+        """The reply as one result; malformed (not JSON, not one object, a field missing or mistyped)
+        is `GenerateRejected` naming the field."""
+        try:
+            payload = resp.json()
+        except ValueError:
+            raise GenerateRejected(self.url, 200, f"/generate reply is not JSON: {resp.text[:200]!r}") from None
+        if not isinstance(payload, dict):
+            raise GenerateRejected(self.url, 200, f"expected one result object: {resp.text[:300]}")
+        try:
+            return GenerateResult.model_validate({**payload, "attempts": sent})
+        except ValidationError as exc:
+            bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+            raise GenerateRejected(self.url, 200, f"/generate reply: {bad}") from None
+
     async def generate(self, body: dict[str, Any], expected_version: str) -> GenerateResult:
         body = dict(body)
         rid = body.get("rid")
@@ -96,10 +114,7 @@ class RouterGenerator:
                     continue
                 if resp.status_code != 200:
                     raise GenerateRejected(self.url, resp.status_code, resp.text)
-                payload = resp.json()
-                if not isinstance(payload, dict):
-                    raise GenerateRejected(self.url, 200, f"expected one result object: {resp.text[:300]}")
-                result = GenerateResult.model_validate({**payload, "attempts": sent})
+                result = self._parse(resp, sent)
                 if result.finish_type == "abort":
                     reason = result.meta_info.finish_reason
                     last_abort = (reason.message or "") if reason else ""

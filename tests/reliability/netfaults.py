@@ -3,8 +3,8 @@
 - `FaultyHTTPProxy`: a pass-through HTTP/1.1 proxy to one upstream (moto's S3, an engine, the
   router). Rules pick requests by method and path and make them fail: `error` answers an S3-style
   5xx, `drop` closes the connection without an answer, `stall` holds the request until
-  `release()`. Every request is recorded (method, path, what was done), so a test can count
-  retries.
+  `release()`, then drops it (it is never forwarded). Every request is recorded (method, path,
+  what was done), so a test can count retries.
   An optional `rewrite` hook changes upstream answers (an engine that misreports).
 - `ScriptedServer`: a misbehaving HTTP server answering canned responses per (method, path);
   it records what it was asked.
@@ -36,12 +36,13 @@ class Rule:
     action: Action
     methods: tuple[str, ...] = ("GET", "PUT", "POST", "DELETE", "HEAD")
     path_contains: str = ""
+    body_contains: bytes = b""
     times: int | None = None  # None: every matching request; else the first `times` ones
     status: int = 500
     hits: int = 0
 
-    def matches(self, method: str, path: str) -> bool:
-        if method not in self.methods or self.path_contains not in path:
+    def matches(self, method: str, path: str, body: bytes = b"") -> bool:
+        if method not in self.methods or self.path_contains not in path or self.body_contains not in body:
             return False
         return self.times is None or self.hits < self.times
 
@@ -79,12 +80,12 @@ class FaultyHTTPProxy:
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                action = proxy._decide(self.command, self.path)
-                if action == "drop":
+                action = proxy._decide(self.command, self.path, body)
+                if action == "stall":  # held until release(), then dropped: a stalled request never passes
+                    proxy._released.wait(120)
+                if action in ("drop", "stall"):
                     self.close_connection = True
                     return
-                if action == "stall":
-                    proxy._released.wait(120)
                 if action == "error":
                     rule_status = next(r.status for r in proxy.rules if r.action == "error")
                     self._reply(rule_status, {"Content-Type": "application/xml"}, S3_ERROR)
@@ -115,10 +116,10 @@ class FaultyHTTPProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
-    def _decide(self, method: str, path: str) -> str:
+    def _decide(self, method: str, path: str, body: bytes) -> str:
         with self._lock:
             for rule in self.rules:
-                if rule.matches(method, path):
+                if rule.matches(method, path, body):
                     rule.hits += 1
                     self.requests.append(Seen(method, path, rule.action))
                     return rule.action
@@ -126,7 +127,7 @@ class FaultyHTTPProxy:
             return "pass"
 
     def release(self) -> None:
-        """Let stalled requests through (and every later one), and drop the rules."""
+        """Drop the stalled requests (connection closed, never forwarded); pass every later one."""
         with self._lock:
             self.rules.clear()
         self._released.set()
