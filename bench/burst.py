@@ -29,11 +29,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from trainer_integration.client import EvalClient
 from trainer_integration.results import DispatchResult, PointOutcome
+
+if TYPE_CHECKING:
+    from pinned_eval.suite import EvalSuite
 
 Exporter = Callable[[int, str], object]
 
@@ -141,7 +145,13 @@ class BurstReport:
             "health_p50_ms": round(1000 * statistics.median(lat), 1) if lat else float("nan"),
             "health_max_ms": round(1000 * lat[-1], 1) if lat else float("nan"),
             "dispatch_p50_ms": round(self.dispatch_p50_ms(), 1),
+            "admission_in_flight_max": self.admission_in_flight_max,
         }
+
+    @property
+    def admission_in_flight_max(self) -> int:
+        """Most points the trainer's admission counted in flight (besides the one it admitted)."""
+        return max((r.in_flight for r in self.dispatched), default=0)
 
 
 def run_burst(
@@ -203,7 +213,7 @@ def snapshot_exporter(base: Path) -> Exporter:
     return export
 
 
-def tiny_suite():  # type: ignore[no-untyped-def]
+def tiny_suite() -> EvalSuite:
     """One dataset, two prompts, one new token: the fleet's work per point is close to nothing."""
     from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
 
@@ -325,57 +335,69 @@ def env_set(**values: str) -> Iterator[None]:
 # ---- standalone benchmark ----------------------------------------------------------------------
 
 
-def _variant(api_url: str, state_file: Path, model: Path, work: Path, max_in_flight: int, steps: int) -> BurstReport:
+def _burst_on(stack_home: Path, db_url: str | None, model: Path, fleet_state: Path, steps: int) -> BurstReport:
+    """Server (SQLite, or Postgres at `db_url`) + deployment + worker, then one burst at max_in_flight 2."""
     from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
     from pinned_eval.events import BlockNames
+    from pinned_eval.prefect_server import use_server
+    from pinned_eval.stack import LocalStack
 
-    tag = uuid.uuid4().hex[:8]
-    run, keep = f"burst{max_in_flight}-{tag}", 2
-    root = work / f"staging-{tag}"
-    root.mkdir()
-    names = BlockNames(suite=f"s-{tag}", fleet=f"f-{tag}", staging=f"st-{tag}", sinks=f"k-{tag}")
-    EvalSuiteBlock(suite=tiny_suite()).save(names.suite)
-    FleetBlock(name=f"b{tag}", mode="launch", state_file=str(state_file)).save(names.fleet)
-    StagingBlock(root=str(root), keep_snapshots=keep).save(names.staging)
-    SinksBlock(jsonl_path=str(work / f"metrics-{tag}.jsonl")).save(names.sinks)
-    with EvalClient(
-        run, api_url, blocks=names, policy="skip", max_in_flight=max_in_flight,
-        staging_root=root, exporter=snapshot_exporter(model), spool_dir=work / "spool",
-    ) as client:  # fmt: skip
-        return run_burst(client, api_url=api_url, staging_root=root, keep_snapshots=keep, steps=steps)
+    stack = LocalStack(stack_home)
+    try:
+        with env_set(**({"PREFECT_API_DATABASE_CONNECTION_URL": db_url} if db_url else {})):
+            server = stack.server_up(port=0)
+        stack.deploy()
+        stack.worker_up(query_seconds=1)
+        with use_server(server.api_url, server.home):
+            tag, keep = uuid.uuid4().hex[:8], 2
+            root = stack_home / "staging"
+            root.mkdir()
+            names = BlockNames(suite=f"s-{tag}", fleet=f"f-{tag}", staging=f"st-{tag}", sinks=f"k-{tag}")
+            EvalSuiteBlock(suite=tiny_suite()).save(names.suite)
+            FleetBlock(name=f"b{tag}", mode="launch", state_file=str(fleet_state)).save(names.fleet)
+            StagingBlock(root=str(root), keep_snapshots=keep).save(names.staging)
+            SinksBlock(jsonl_path=str(stack_home / "metrics.jsonl")).save(names.sinks)
+            with EvalClient(
+                f"burst-{tag}", server.api_url, blocks=names, policy="skip", max_in_flight=2,
+                staging_root=root, exporter=snapshot_exporter(model), spool_dir=stack_home / "spool",
+            ) as client:  # fmt: skip
+                return run_burst(client, api_url=server.api_url, staging_root=root, keep_snapshots=keep, steps=steps)
+    finally:
+        stack.down()
 
 
 def main(steps: int = 200) -> None:
     from engine.tiny_model import make_tiny_model
     from pinned_eval.fleet.launcher import launch_cpu_fleet
-    from pinned_eval.prefect_server import use_server
-    from pinned_eval.stack import LocalStack
+    from pinned_eval.prefect_server import free_port
 
+    reports: dict[str, BurstReport] = {}
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
         work = Path(tmp)
         model = make_tiny_model(work / "model")
-        stack = LocalStack(work / "stack")
-        fleet = None
+        fleet = launch_cpu_fleet(model, 2, state_file=work / "fleet.json", ready_timeout_s=180)
         try:
-            server = stack.server_up(port=0)
-            stack.deploy()
-            stack.worker_up(query_seconds=1)
-            fleet = launch_cpu_fleet(model, 2, state_file=work / "fleet.json", ready_timeout_s=180)
-            with use_server(server.api_url, server.home):
-                reports = [_variant(server.api_url, work / "fleet.json", model, work, m, steps) for m in (1, 2)]
+            reports["sqlite"] = _burst_on(work / "sqlite", None, model, work / "fleet.json", steps)
+            try:
+                with running_postgres(free_port()) as pg:
+                    reports["postgres"] = _burst_on(work / "postgres", pg.url, model, work / "fleet.json", steps)
+            except PostgresUnavailableError as exc:
+                print(f"postgres variant skipped: {exc}")
         finally:
-            if fleet is not None:
-                fleet.stop()
-            stack.down()
-    rows = [r.summary() for r in reports]
-    keys = list(rows[0])
-    print(f"burst: {steps} dispatches, policy skip, 0.1 s per training step, tiny suite (1 dataset, 2 prompts, 1 token)")
-    print("| " + " | ".join(["metric", *(f"max_in_flight={r['max_in_flight']}" for r in rows), "ratio 2/1"]) + " |")
-    print("|" + "---|" * (len(rows) + 2))
-    for k in keys[2:]:
-        a, b = rows[0][k], rows[1][k]
-        ratio = f"{b / a:.2f}" if isinstance(a, int | float) and a else "-"
-        print(f"| {k} | {a} | {b} | {ratio} |")
+            fleet.stop()
+    rows = {name: r.summary() for name, r in reports.items()}
+    print(f"burst: {steps} dispatches (skip, max_in_flight 2, 0.1 s steps), tiny suite: 1 dataset, 2 prompts, 1 token")
+    names = list(rows)
+    ratio = len(names) == 2
+    print("| metric | " + " | ".join(names) + (" | postgres / sqlite |" if ratio else " |"))
+    print("|" + "---|" * (len(names) + 1 + ratio))
+    for key in rows[names[0]]:
+        vals = [rows[n][key] for n in names]
+        cells = " | ".join(str(v) for v in vals)
+        if ratio:
+            a, b = vals
+            cells += f" | {b / a:.2f}" if a else " | -"
+        print(f"| {key} | {cells} |")
 
 
 if __name__ == "__main__":
