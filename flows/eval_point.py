@@ -20,6 +20,7 @@ from prefect.states import Completed, State
 from pydantic import BaseModel, ConfigDict
 
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from blocks._meta import load_block
 from pinned_eval.points import RUN_PATTERN, Posture, SnapshotSource, flow_run_name
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.skips import EvalSkipped, SkipReason
@@ -46,10 +47,10 @@ class PointConfig(BaseModel):
     @classmethod
     def load(cls, suite: str, fleet: str, staging: str, sinks: str) -> PointConfig:
         return cls(
-            suite=EvalSuiteBlock.load(suite),
-            fleet=FleetBlock.load(fleet),
-            staging=StagingBlock.load(staging),
-            sinks=SinksBlock.load(sinks),
+            suite=load_block(EvalSuiteBlock, suite),
+            fleet=load_block(FleetBlock, fleet),
+            staging=load_block(StagingBlock, staging),
+            sinks=load_block(SinksBlock, sinks),
         )
 
 
@@ -59,11 +60,11 @@ def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
     run, step = params["run"], int(params["step"])
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
     if source is not None and source.owned:
-        staging = StagingBlock.load(params.get("staging", "default")).staging()
+        staging = load_block(StagingBlock, params.get("staging", "default")).staging()
         staging.retire(staging.path_for(run, step), owned=True)
     from pinned_eval.sinks import JsonlSink
 
-    sinks = SinksBlock.load(params.get("sinks", "default"))
+    sinks = load_block(SinksBlock, params.get("sinks", "default"))
     if sinks.jsonl_path:
         JsonlSink(sinks.jsonl_path).write_point(
             skip_rows(run, step, SkipReason.CRASHED, state.message or "crashed", failed=True)

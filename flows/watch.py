@@ -147,8 +147,9 @@ def watch_checkpoints(
     options: dict[str, Any] = {}
     if storage_block and root.startswith(("s3://", "s3a://")):
         from blocks import StagingBlock
+        from blocks._meta import load_block
 
-        options = StagingBlock.load(storage_block).model_copy(update={"root": root}).storage_options()
+        options = load_block(StagingBlock, storage_block).model_copy(update={"root": root}).storage_options()
     checkpoints = scan(root, options)
     blocks = BlockNames(suite=suite, fleet=fleet, staging=staging, sinks=sinks)
     from prefect.settings import PREFECT_API_URL

@@ -153,7 +153,7 @@ def _drain() -> None:
     async def drain() -> None:
         for result in (APILogWorker.instance().drain(), EventsWorker.drain_all()):
             if hasattr(result, "__await__"):
-                await result
+                await result  # type: ignore[misc]  # drain() is sync or async depending on the caller
 
     run_coro_as_sync(drain())
 

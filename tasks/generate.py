@@ -11,7 +11,8 @@ is a bug and propagates (the point crashes). Progress is a Prefect progress arti
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -50,7 +51,7 @@ class _Progress:
 
     def __init__(self, total: int, key_hint: str) -> None:
         self.total, self.done, self._shown = max(total, 1), 0, 0.0
-        self.artifact_id = create_progress_artifact(0.0, description=f"generating {key_hint}")
+        self.artifact_id = cast(UUID, create_progress_artifact(0.0, description=f"generating {key_hint}"))
 
     def tick(self) -> None:
         self.done += 1

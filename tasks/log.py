@@ -9,7 +9,7 @@ record wins) — a new version of it per point. Secrets never enter a row or an 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from prefect import get_run_logger, task
 from prefect.artifacts import Artifact, create_table_artifact
@@ -56,10 +56,11 @@ def _history_row(rows: list[MetricRow]) -> dict[str, Any]:
 
 def _update_history(run: str, rows: list[MetricRow]) -> None:
     key = history_artifact_key(run)
-    previous = Artifact.get(key)
+    previous = cast(Artifact | None, Artifact.get(key))
     table: list[dict[str, Any]] = []
     if previous is not None and previous.data:
-        data = json.loads(previous.data) if isinstance(previous.data, str) else previous.data
+        raw = json.loads(previous.data) if isinstance(previous.data, str) else previous.data
+        data = cast(list[dict[str, Any]], raw)
         table = [r for r in data if r.get("step") != rows[0].step]
     table.append(_history_row(rows))
     table.sort(key=lambda r: r["step"])

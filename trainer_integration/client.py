@@ -219,7 +219,7 @@ class EvalClient:
         t0: float,
     ) -> DispatchResult:
         verdict, n, waited, offline = self._admit(step, final)
-        common = {"step": step, "in_flight": n, "waited_seconds": waited, "admitted_offline": offline}
+        common: dict[str, Any] = {"step": step, "in_flight": n, "waited_seconds": waited, "admitted_offline": offline}
         if verdict == "exists":
             return DispatchResult(action="exists", stall_seconds=time.monotonic() - t0, **common)
         if verdict == "busy":

@@ -19,7 +19,7 @@ server_app = typer.Typer(help="A local Prefect server (SQLite, filesystem lease 
                          no_args_is_help=True)  # fmt: skip
 
 
-def _stack():  # type: ignore[no-untyped-def]
+def _stack():
     from pinned_eval.stack import LocalStack
 
     return LocalStack(get_settings().home)

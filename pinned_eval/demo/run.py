@@ -20,10 +20,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pinned_eval.settings import get_settings
+
+if TYPE_CHECKING:
+    from blocks import FleetBlock
+    from trainer_integration.results import PointOutcome
 
 RUN = "demo"
 
@@ -102,7 +107,7 @@ def _tiny_model(home: Path, say: Callable[[str], None]) -> Path:
     return make_tiny_model(home / "base-model", seed=0)
 
 
-def _save_blocks(home: Path, base: Path):  # type: ignore[no-untyped-def]
+def _save_blocks(home: Path, base: Path) -> FleetBlock:
     from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
     from pinned_eval.suite import default_suite
 
@@ -149,7 +154,7 @@ def _train_and_evaluate(
     return [_row(o) for o in outcomes]
 
 
-def _row(outcome) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def _row(outcome: PointOutcome) -> dict[str, object]:
     row: dict[str, object] = {"step": outcome.step, "state": outcome.state}
     version, lag = None, None
     for ds, m in sorted(outcome.metrics.items()):
