@@ -92,11 +92,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
+def _start_moto(log: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     moto = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -168,6 +168,7 @@ def _check_row(label: str, big: str, small: str, opts: dict | None, repeats: int
 
 def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
     import boto3
+    from botocore.config import Config
 
     mib = total_bytes / MiB
     shard_bytes = total_bytes // shards
@@ -181,11 +182,13 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
     rows.append(_check_row(f"check local: {mib:.0f} MiB vs 1 MiB, {shards} shards (ms)",
                            str(big), str(tiny), None, repeats * 10))
 
-    proc, endpoint = _start_moto()
+    proc, endpoint = _start_moto(work / "moto.log")
     try:
-        opts = {"key": KEY, "secret": SECRET, "endpoint_url": endpoint}
+        # moto concatenates parts on CompleteMultipartUpload in Python: under load that can outlast
+        # botocore's 60 s read timeout, and the retry then fails with NoSuchUpload.
+        opts = {"key": KEY, "secret": SECRET, "endpoint_url": endpoint, "config_kwargs": {"read_timeout": 600}}
         client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
-                              region_name="us-east-1")
+                              region_name="us-east-1", config=Config(read_timeout=600))
         client.create_bucket(Bucket="bench")
         staging = Staging("s3://bench/stage", storage_options=opts, keep_snapshots=0)
         files = sorted(p for p in big.iterdir() if p.is_file())
@@ -223,6 +226,10 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
         t_big, t_small = _median_time(heads(big_s3), repeats * 3), _median_time(heads(small_s3), repeats * 3)
         rows.append(("  moto alone: 64 KiB ranged GET of each shard, big vs small (ms)", t_big * 1e3,
                      t_small * 1e3, f"{t_big / t_small:.2f}", "(server)"))
+    except Exception:
+        tail = (work / "moto.log").read_text(errors="replace").splitlines()[-30:]
+        print("moto_server log (last lines):", *tail, sep="\n", file=sys.stderr)
+        raise
     finally:
         proc.terminate()
         proc.wait(10)
