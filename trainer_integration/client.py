@@ -101,7 +101,8 @@ class EvalClient:
         self.rest = PrefectRest(url, http or api_client(settings))
         self._latest_step: int | None = None
         self._progress = threading.Event()
-        self._requested: dict[int, float] = {}  # step -> monotonic time requested (this process)
+        self._requested: dict[int, float] = {}  # step -> monotonic time a point was requested (this process)
+        self._recorded: set[int] = set()  # steps this client recorded as skipped (never in flight)
         self._lock = threading.Lock()
         spool_root = Path(spool_dir) if spool_dir else get_settings().home / "spool"
         self.spool = Spool(spool_root / run)
@@ -115,7 +116,7 @@ class EvalClient:
             ),
         )
         for entry in self.spool.pending():  # a previous process's undelivered requests
-            self._requested[entry.step] = time.monotonic()
+            self._note(entry)
         self._known: set[int] = set()  # steps with a flow run seen on the server
         self._stop = threading.Event()
         self._progress_thread = threading.Thread(target=self._progress_loop, name="pinned-eval-progress", daemon=True)
@@ -135,7 +136,7 @@ class EvalClient:
         seen = {r.step for r in runs}
         busy = {r.step for r in runs if not r.terminal}
         now = time.monotonic()
-        spooled = {e.step for e in self.spool.pending()}
+        spooled = {e.step for e in self.spool.pending() if e.kind == "event"}
         with self._lock:
             self._known |= seen
             for step, at in self._requested.items():
@@ -149,7 +150,8 @@ class EvalClient:
 
     def _local_in_flight(self) -> set[int]:
         with self._lock:
-            return {s for s in self._requested if s not in self._known} | {e.step for e in self.spool.pending()}
+            spooled = {e.step for e in self.spool.pending() if e.kind == "event"}
+            return {s for s in self._requested if s not in self._known} | spooled
 
     def _admit(self, step: int, final: bool) -> tuple[str, int, float, bool]:
         """('ok'|'busy'|'exists', points in flight, seconds waited for a slot, admitted offline)."""
@@ -160,12 +162,12 @@ class EvalClient:
             except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
                 local = self._local_in_flight() - {step}
                 with self._lock:
-                    if step in self._known or step in self._requested:
+                    if step in self._known or step in self._requested or step in self._recorded:
                         return "exists", len(local), waited, True
                 log.warning("pinned-eval: admission of %s step %d without the API (%s)", self.run, step, exc)
                 return "ok", len(local), waited, True
             with self._lock:
-                if step in self._known or step in self._requested:
+                if step in self._known or step in self._requested or step in self._recorded:
                     return "exists", len(busy - {step}), waited, False
             others = busy - {step}
             if len(others) < self.max_in_flight:
@@ -281,8 +283,15 @@ class EvalClient:
     def _enqueue(self, entry: SpoolEntry) -> None:
         self.spool.append(entry)
         with self._lock:
-            self._requested[entry.step] = time.monotonic()
+            self._note(entry)
         self.deliverer.kick()
+
+    def _note(self, entry: SpoolEntry) -> None:
+        """Remember a request: a point request is in flight until its run is seen; a skip record never is."""
+        if entry.kind == "event":
+            self._requested[entry.step] = time.monotonic()
+        else:
+            self._recorded.add(entry.step)
 
     # ---- progress ------------------------------------------------------------------------------
 
@@ -327,7 +336,7 @@ class EvalClient:
 
     def steps(self) -> list[int]:
         with self._lock:
-            return sorted(set(self._requested) | self._known)
+            return sorted(set(self._requested) | self._recorded | self._known)
 
     def results(self) -> list[PointOutcome]:
         runs = self.rest.point_runs(self.run)
