@@ -100,6 +100,7 @@ def _launch_block(fleet: CpuFleet, name: str) -> FleetBlock:
     return FleetBlock(name=name, mode="launch", state_file=str(fleet.state_file))
 
 
+@pytest.mark.timeout(280)  # includes the ~75 s lease expiry of the killed holders' slots
 def test_flow_run_sigkilled_in_every_phase(
     deployed: Deployed, cpu_fleet: CpuFleet, s3_server: S3Server, tmp_path: Path, tiny_model: Path
 ) -> None:
