@@ -3,7 +3,7 @@
 from typing import TypeVar, cast
 
 from prefect.blocks.core import Block
-from pydantic import HttpUrl
+from pydantic import HttpUrl, ValidationError
 
 DOCS_URL = HttpUrl("https://github.com/pinned-eval/pinned-eval/blob/main/docs/blocks.md")
 # The logo is docs/assets/logo.png of this repository, served raw.
@@ -13,5 +13,21 @@ B = TypeVar("B", bound=Block)
 
 
 def load_block(cls: type[B], name: str) -> B:
-    """`cls.load(name)` from sync code, typed (Prefect types `load` as sync-or-async)."""
-    return cast(B, cls.load(name))
+    """`cls.load(name)` from sync code, typed (Prefect types `load` as sync-or-async).
+
+    A saved document that no longer validates raises a ValueError naming the block and the
+    offending field (Prefect's own error drops pydantic's message).
+    """
+    try:
+        return cast(B, cls.load(name))
+    except RuntimeError:
+        from prefect import get_client
+
+        slug = cls.get_block_type_slug()
+        with get_client(sync_client=True) as client:
+            doc = client.read_block_document_by_name(name, slug, include_secrets=True)
+        try:
+            cls.model_validate(doc.data)
+        except ValidationError as exc:
+            raise ValueError(f"block {slug}/{name} is invalid: {exc}") from exc
+        raise

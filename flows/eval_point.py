@@ -24,10 +24,11 @@ from blocks._meta import load_block
 from pinned_eval.points import RUN_PATTERN, Posture, SnapshotSource, flow_run_name
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.skips import EvalSkipped, SkipReason
-from pinned_eval.suite import ResolvedDataset
+from pinned_eval.snapshot.staging import Staging
+from pinned_eval.suite import EvalSample, ResolvedDataset
 from tasks.admission import admitted, fleet_lock
 from tasks.external import evaluate_external
-from tasks.generate import generate
+from tasks.generate import generate, load_datasets
 from tasks.log import lag_steps, log_point, measured_rows, skip_rows
 from tasks.pin import pin_fleet, verify_shared
 from tasks.score import score
@@ -102,11 +103,12 @@ def eval_point(
     try:
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
             datasets = cfg.suite.resolved()
+            rows = load_datasets(datasets)
             if posture is not Posture.SHARED:
                 assert source is not None
                 snapshot = export_snapshot(source, run, step, store)
                 snapshot = check_snapshot_task(snapshot, store)
-            per_dataset = _measure(cfg, posture, snapshot, datasets, run, step, backend, backend_options)
+            per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
             exported = snapshot.export_time_seconds if snapshot else None
             point = point_metrics(
                 step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
@@ -122,6 +124,7 @@ def eval_point(
         log_point(run, step, skip_rows(run, step, SkipReason.CRASHED, repr(exc), failed=True), cfg.sinks)
         raise
     finally:
+        snapshot = snapshot or _owned_but_not_adopted(source, store, run, step)
         if snapshot is not None:
             retire_snapshot(snapshot, store)
 
@@ -131,6 +134,7 @@ def _measure(
     posture: Posture,
     snapshot: Snapshot | None,
     datasets: list[ResolvedDataset],
+    rows: dict[str, list[EvalSample]],
     run: str,
     step: int,
     backend: str | None,
@@ -147,8 +151,16 @@ def _measure(
             pin_fleet(cfg.fleet, str(snapshot.local_path), version)
         else:
             verify_shared(cfg.fleet, version)
-        generations = generate(cfg.fleet, datasets, version, rid_prefix=f"{run}-{step}")
+        generations = generate(cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}")
     return score(generations, datasets, cfg.suite.suite, run, step)
+
+
+def _owned_but_not_adopted(source: SnapshotSource | None, store: Staging, run: str, step: int) -> Snapshot | None:
+    """An owned source is this point's from the start: a point that fails before its export task
+    (busy, a bad dataset row) still retires the staged snapshot the trainer handed over."""
+    if source is None or not source.owned:
+        return None
+    return Snapshot(path=store.path_for(run, step), owned=True, kind=source.kind)
 
 
 def _tag_flow_run(run: str, step: int) -> None:

@@ -94,9 +94,13 @@ async def _one(
 
 
 async def _generate_all(
-    fleet: FleetBlock, datasets: list[ResolvedDataset], version: str, rid_prefix: str
+    fleet: FleetBlock,
+    datasets: list[ResolvedDataset],
+    rows: dict[str, list[EvalSample]],
+    version: str,
+    rid_prefix: str,
 ) -> list[Generation]:
-    work = [(ds, s, j) for ds in datasets for s in load_dataset(ds) for j in range(ds.n_samples_per_prompt)]
+    work = [(ds, s, j) for ds in datasets for s in rows[ds.name] for j in range(ds.n_samples_per_prompt)]
     progress = _Progress(len(work), rid_prefix)
     async with fleet.client() as client:
 
@@ -108,12 +112,22 @@ async def _generate_all(
         return list(await asyncio.gather(*(run(ds, s, j) for ds, s, j in work)))
 
 
+@task(cache_policy=NO_CACHE, task_run_name="load-datasets")
+def load_datasets(datasets: list[ResolvedDataset]) -> dict[str, list[EvalSample]]:
+    """Every dataset's rows, validated (a bad row fails the point here, before any export)."""
+    return {ds.name: load_dataset(ds) for ds in datasets}
+
+
 @task(cache_policy=NO_CACHE, task_run_name="generate-{weight_version}")
 def generate(
-    fleet: FleetBlock, datasets: list[ResolvedDataset], weight_version: str, rid_prefix: str
+    fleet: FleetBlock,
+    datasets: list[ResolvedDataset],
+    rows: dict[str, list[EvalSample]],
+    weight_version: str,
+    rid_prefix: str,
 ) -> list[Generation]:
     try:
-        return asyncio.run(_generate_all(fleet, datasets, weight_version, rid_prefix))
+        return asyncio.run(_generate_all(fleet, datasets, rows, weight_version, rid_prefix))
     except WeightVersionMismatch as exc:
         raise EvalSkipped(SkipReason.PIN_VIOLATION, str(exc)) from exc
     except GenerateRejected as exc:

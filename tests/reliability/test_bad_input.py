@@ -89,9 +89,6 @@ def test_saved_block_edited_into_a_bad_value_fails_the_point_before_anything_is_
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(strict=True, reason="PointConfig.load (flows/eval_point.py) uses Block.load, whose RuntimeError "
-                   "'... due to failed validation' drops the pydantic error: the failed run does not name the field "
-                   "(request_concurrency); load with validate=False and model_validate, or re-raise the cause")
 def test_saved_block_edited_into_a_bad_value_names_the_field(prefect_server: str, tmp_path: Path,
                                                              tiny_model: Path) -> None:
     _, state = _edited_point(prefect_server, tmp_path, tiny_model)
@@ -161,8 +158,6 @@ def test_bad_dataset_row_fails_the_point_naming_file_line_and_key(
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(strict=True, reason="flows/eval_point.py reads dataset rows only in the generate task, after "
-                   "export and pin: a bad row should be refused before any export (load the datasets at admission)")
 def test_bad_dataset_row_is_refused_before_any_export(prefect_server: str, tmp_path: Path, tiny_model: Path) -> None:
     suite = _suite(tmp_path, [{"prompt": "1+1=", "label": {"no": 1}}])
     fleet = FleetBlock(name="early", mode="attach", engine_urls=["http://127.0.0.1:9"], router_url="http://127.0.0.1:9")
