@@ -385,6 +385,12 @@ def main(steps: int = 200) -> None:
                 print(f"postgres variant skipped: {exc}")
         finally:
             fleet.stop()
+    for name, r in reports.items():  # anything but a measurement or a busy skip is worth a look
+        for o in r.outcomes:
+            if o.state != "measured" and not (o.state == "skipped" and o.reason == "busy"):
+                print(f"{name}: step {o.step} {o.state} {o.reason}: {(o.message or '')[:300]}")
+        if r.staging_high_water > r.staging_bound:
+            print(f"{name}: staging over its bound: {r.staging_samples}")
     rows = {name: r.summary() for name, r in reports.items()}
     print(f"burst: {steps} dispatches (skip, max_in_flight 2, 0.1 s steps), tiny suite: 1 dataset, 2 prompts, 1 token")
     names = list(rows)
