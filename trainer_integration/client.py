@@ -38,7 +38,13 @@ import httpx
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, progress_variable_name
 from pinned_eval.settings import PrefectApiSettings, get_settings
-from trainer_integration.events import SINKS_BLOCK_SLUG, Delivery, event_entry, skip_record_entry
+from trainer_integration.events import (
+    SINKS_BLOCK_SLUG,
+    Delivery,
+    event_entry,
+    run_request_entry,
+    skip_record_entry,
+)
 from trainer_integration.rest import ApiUnavailableError, PointRun, PrefectRest, api_client
 from trainer_integration.results import DispatchResult, PointOutcome, point_outcome
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry
@@ -103,6 +109,8 @@ class EvalClient:
         self._progress = threading.Event()
         self._requested: dict[int, float] = {}  # step -> monotonic time a point was requested (this process)
         self._recorded: set[int] = set()  # steps this client recorded as skipped (never in flight)
+        self._sent: dict[int, PointRequest] = {}  # step -> the point request sent as an event
+        self._fallen_back: set[int] = set()  # steps re-requested as a direct flow run
         self._lock = threading.Lock()
         spool_root = Path(spool_dir) if spool_dir else get_settings().home / "spool"
         self.spool = Spool(spool_root / run)
@@ -136,7 +144,8 @@ class EvalClient:
         seen = {r.step for r in runs}
         busy = {r.step for r in runs if not r.terminal}
         now = time.monotonic()
-        spooled = {e.step for e in self.spool.pending() if e.kind == "event"}
+        spooled = {e.step for e in self.spool.pending() if e.kind != "skip_record"}
+        fallback: list[PointRequest] = []
         with self._lock:
             self._known |= seen
             for step, at in self._requested.items():
@@ -144,13 +153,22 @@ class EvalClient:
                     continue
                 if step in spooled or now - at < self.visible_timeout_s:
                     busy.add(step)
+                elif step in self._sent and step not in self._fallen_back:
+                    # the event was accepted but no run appeared: create the run directly, once
+                    # (the idempotency key is the event id, so a late trigger run is not doubled)
+                    log.warning("pinned-eval: %s step %d: no flow run from its event; creating it", self.run, step)
+                    self._fallen_back.add(step)
+                    fallback.append(self._sent[step])
+                    busy.add(step)
                 else:
                     log.warning("pinned-eval: %s step %d was sent but no flow run appeared", self.run, step)
+        for request in fallback:
+            self._enqueue(run_request_entry(request, self.blocks))
         return busy
 
     def _local_in_flight(self) -> set[int]:
         with self._lock:
-            spooled = {e.step for e in self.spool.pending() if e.kind == "event"}
+            spooled = {e.step for e in self.spool.pending() if e.kind != "skip_record"}
             return {s for s in self._requested if s not in self._known} | spooled
 
     def _admit(self, step: int, final: bool) -> tuple[str, int, float, bool]:
@@ -243,6 +261,8 @@ class EvalClient:
             export_time = time.monotonic() - e0
             source = SnapshotSource(kind=SourceKind.STAGED, path=dest)
         request = self._request(step, source, final, posture, export_time)
+        with self._lock:
+            self._sent[step] = request
         self._enqueue(event_entry(request, self.blocks))
         return DispatchResult(
             action="requested", export_time_seconds=export_time, stall_seconds=time.monotonic() - t0, **common
@@ -288,7 +308,7 @@ class EvalClient:
 
     def _note(self, entry: SpoolEntry) -> None:
         """Remember a request: a point request is in flight until its run is seen; a skip record never is."""
-        if entry.kind == "event":
+        if entry.kind in ("event", "run_request"):
             self._requested[entry.step] = time.monotonic()
         else:
             self._recorded.add(entry.step)

@@ -12,6 +12,9 @@ Two kinds of request, both idempotent on the receiver:
   key derived from the event id), plus the `eval/skipped_<reason>` row in the JSONL sink named by
   the point's sinks block when that file is reachable from here.
 
+- `run_request`: the point's run created directly on the deployment (idempotency key = the event
+  id) when an accepted event never became a run within the client's `visible_timeout_s`.
+
 `Delivery.__call__` maps outcomes for the spool: unreachable / 5xx / 408 / 429 / 401 / 403 →
 `TransientDeliveryError` (kept, retried in order); other 4xx → `RejectedDeliveryError`.
 """
@@ -41,6 +44,22 @@ _TRANSIENT_4XX = {401, 403, 408, 429}
 def event_entry(request: PointRequest, blocks: BlockNames) -> SpoolEntry:
     event = point_event(request, blocks)
     return SpoolEntry(kind="event", run=request.run, step=request.step, key=event["id"], body=event)
+
+
+def run_request_entry(request: PointRequest, blocks: BlockNames) -> SpoolEntry:
+    """The point's flow run created directly on the deployment (same parameters as the event's
+    trigger would pass, idempotency key = the event id): the fallback when an accepted event never
+    became a run (e.g. the server stopped before its trigger fired)."""
+    params = request.model_dump(mode="json")
+    params.update(blocks.model_dump())
+    key = str(point_event_id(request.run, request.step))
+    body = {
+        "name": flow_run_name(request.run, request.step),
+        "parameters": params,
+        "tags": [f"run:{request.run}", f"step:{request.step}"],
+        "idempotency_key": key,
+    }
+    return SpoolEntry(kind="run_request", run=request.run, step=request.step, key=f"run:{key}", body=body)
 
 
 def skip_record_entry(request: PointRequest, blocks: BlockNames, reason: str, message: str) -> SpoolEntry:
@@ -88,8 +107,11 @@ class Delivery:
         try:
             if entry.kind == "event":
                 self._send_event(entry.body)
+            elif entry.kind == "run_request":
+                self._create_run(entry)
             else:
-                self._record_skip(entry)
+                self._create_run(entry)
+                self._write_sink_row(entry)
         except (ApiUnavailableError, httpx.TransportError) as exc:
             raise TransientDeliveryError(str(exc)) from exc
 
@@ -101,7 +123,7 @@ class Delivery:
             resp = self.rest.post_events([event])
             _check(resp, f"POST /events {event['event']}")
 
-    def _record_skip(self, entry: SpoolEntry) -> None:
+    def _create_run(self, entry: SpoolEntry) -> None:
         if self._deployment_id is None:
             flow, name = self.deployment.split("/", 1)
             try:
@@ -109,8 +131,7 @@ class Delivery:
             except httpx.HTTPStatusError as exc:
                 _check(exc.response, f"deployment {self.deployment}")
         resp = self.rest.create_flow_run(str(self._deployment_id), entry.body)
-        _check(resp, f"skip record {entry.body['name']}")
-        self._write_sink_row(entry)
+        _check(resp, f"{entry.kind} {entry.body['name']}")
 
     def _write_sink_row(self, entry: SpoolEntry) -> None:
         sinks = self.rest.block_data(SINKS_BLOCK_SLUG, entry.body["parameters"]["sinks"])

@@ -39,7 +39,7 @@ class SpoolEntry(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["event", "skip_record"]
+    kind: Literal["event", "skip_record", "run_request"]
     run: str
     step: int = Field(ge=0)
     key: str = Field(min_length=1, description="Idempotency key on the receiver.")
