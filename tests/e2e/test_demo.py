@@ -83,12 +83,15 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
         if CHROMIUM:
             _check_ui(ui, [int(r["step"]) for r in rows], tmp_path / "ui-flow-runs.png")
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        demo_procs = psutil.Process(proc.pid).children(recursive=True)  # make's `pinned-eval demo`
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches make and the demo alike
         try:
             proc.wait(timeout=180)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
+        _, alive = psutil.wait_procs(demo_procs, timeout=180)  # make may exit before the demo's cleanup
+        assert not alive, f"the demo did not exit after Ctrl-C: {alive}"
     # make reports a Ctrl-C'd recipe as "Interrupt" (exit 2); the demo itself must have cleaned up
     assert proc.returncode in (0, 2, 130), "".join(out[-40:])
     assert "stopping the Prefect server and worker" in "".join(out), "".join(out[-40:])
