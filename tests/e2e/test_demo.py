@@ -68,7 +68,8 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
             if line.startswith("Prefect UI:"):
                 ready.set()
 
-    threading.Thread(target=pump, daemon=True).start()
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
     try:
         assert ready.wait(1800), "the demo printed no table within 30 minutes:\n" + "".join(out[-40:])
         text = "".join(out)
@@ -92,6 +93,7 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
             raise
         _, alive = psutil.wait_procs(demo_procs, timeout=180)  # make may exit before the demo's cleanup
         assert not alive, f"the demo did not exit after Ctrl-C: {alive}"
+        pumping.join(30)  # the rest of its output
     # make reports a Ctrl-C'd recipe as "Interrupt" (exit 2); the demo itself must have cleaned up
     assert proc.returncode in (0, 2, 130), "".join(out[-40:])
     assert "stopping the Prefect server and worker" in "".join(out), "".join(out[-40:])
