@@ -94,8 +94,8 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
         _, alive = psutil.wait_procs(demo_procs, timeout=180)  # make may exit before the demo's cleanup
         assert not alive, f"the demo did not exit after Ctrl-C: {alive}"
         pumping.join(30)  # the rest of its output
-    # make reports a Ctrl-C'd recipe as "Interrupt" (exit 2); the demo itself must have cleaned up
-    assert proc.returncode in (0, 2, 130), "".join(out[-40:])
+    # make dies of the Ctrl-C (or reports "Interrupt", exit 2); the demo itself must have cleaned up
+    assert proc.returncode in (0, 2, 130, -signal.SIGINT), "".join(out[-40:])
     assert "stopping the Prefect server and worker" in "".join(out), "".join(out[-40:])
     time.sleep(1)
     left = _descendants_mentioning(str(tmp_path))
