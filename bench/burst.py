@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from pinned_eval.prefect_server import env_set
 from trainer_integration.client import EvalClient
 from trainer_integration.results import DispatchResult, PointOutcome
 
@@ -315,21 +316,6 @@ def running_postgres(port: int) -> Iterator[LocalPostgres]:
                 capture_output=True, timeout=60,
             )  # fmt: skip
         shutil.rmtree(root, ignore_errors=True)
-
-
-@contextmanager
-def env_set(**values: str) -> Iterator[None]:
-    """Set environment variables for the block (e.g. while a server process is spawned)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ---- standalone benchmark ----------------------------------------------------------------------

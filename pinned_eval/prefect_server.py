@@ -117,31 +117,38 @@ def stop_server(pid: int, *, timeout_s: float = 15.0) -> None:
 
 
 @contextmanager
-def use_server(api_url: str, home: Path | None = None) -> Iterator[None]:
-    """Point this process's Prefect client (all threads included) at `api_url`."""
-    import prefect.context
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
-    updates: dict = {PREFECT_API_URL: api_url}
-    if home is not None:
-        updates[PREFECT_HOME] = str(home)
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
-    os.environ["PREFECT_API_URL"] = api_url
-    if home is not None:
-        os.environ["PREFECT_HOME"] = str(home)
+def env_set(**values: str) -> Iterator[None]:
+    """Set environment variables for the block (e.g. while a server process is spawned), then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        with (
-            temporary_settings(updates=updates),
-            prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
-        ):
-            yield
-            _drain()
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def use_server(api_url: str, home: Path | None = None) -> Iterator[None]:
+    """Point this process's Prefect client (all threads included) at `api_url`."""
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    updates: dict = {PREFECT_API_URL: api_url}
+    env = {"PREFECT_API_URL": api_url}
+    if home is not None:
+        updates[PREFECT_HOME] = str(home)
+        env["PREFECT_HOME"] = str(home)
+    with (
+        env_set(**env),
+        temporary_settings(updates=updates),
+        prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
+    ):
+        yield
+        _drain()
 
 
 def _drain() -> None:

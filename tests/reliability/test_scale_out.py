@@ -29,7 +29,6 @@ import pytest
 from bench.burst import (
     LocalPostgres,
     PostgresUnavailableError,
-    env_set,
     postgres_bin,
     running_postgres,
     snapshot_exporter,
@@ -37,7 +36,7 @@ from bench.burst import (
 )
 from blocks import FleetBlock
 from pinned_eval.events import BlockNames
-from pinned_eval.prefect_server import free_port, start_server, stop_server, use_server
+from pinned_eval.prefect_server import env_set, free_port, start_server, stop_server, use_server
 from tests.deploykit import REPO, prefect_cli, wait_for
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks
 from trainer_integration.client import EvalClient
