@@ -1,12 +1,18 @@
 """An accepted event that never becomes a flow run (its trigger did not fire) is not lost: once
-`visible_timeout_s` passes, the client creates the point's run directly, exactly once."""
+`visible_timeout_s` passes, the client creates the point's run directly, exactly once.
+
+The event goes to a webhook endpoint on loopback that answers 204 and drops it (what a Cloud
+webhook whose automation never fires looks like to the trainer); the fallback run is created on
+the real deployment and run by the real worker.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pinned_eval.events import BlockNames
@@ -18,13 +24,29 @@ from trainer_integration.client import EvalClient
 pytestmark = pytest.mark.e2e
 
 
-def _set_trigger(api_url: str, deployment_id: str, enabled: bool) -> None:
-    with httpx.Client(base_url=api_url, timeout=30) as http:
-        automations = http.post("/automations/filter", json={}).json()
-        mine = [a for a in automations if a["name"] == "eval-point-requested"]
-        assert mine, "the deployment's trigger automation exists"
-        for a in mine:
-            http.patch(f"/automations/{a['id']}", json={"enabled": enabled}).raise_for_status()
+class DroppingWebhook:
+    """Accepts every POST with 204 and records the body; nothing ever comes of it."""
+
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                hook.received.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                self.send_response(204)
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/dropped"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def test_event_without_a_run_falls_back_to_a_direct_run_once(
@@ -33,21 +55,22 @@ def test_event_without_a_run_falls_back_to_a_direct_run_once(
     caplog.set_level(logging.WARNING, logger="trainer_integration.client")
     dest = str(point_env.staging_root / point_env.run / "step_00000004")
     write_step_snapshot(tiny_model, dest)
-    _set_trigger(deployed.api_url, deployed.deployment_id, enabled=False)  # the event is accepted, no run
+    hook = DroppingWebhook()
     try:
         with EvalClient(
-            point_env.run, deployed.api_url, blocks=BlockNames(**point_env.blocks),
+            point_env.run, deployed.api_url, blocks=BlockNames(**point_env.blocks), webhook_url=hook.url,
             spool_dir=tmp_path / "spool", visible_timeout_s=3.0, poll_s=0.5,
         ) as client:  # fmt: skip
             result = client.dispatch(4, source=SnapshotSource(kind=SourceKind.STAGED, path=dest))
             assert result.action == "requested"
-            wait_for(lambda: not client.spool.pending(), 30, "the event's delivery")
+            wait_for(lambda: hook.received, 30, "the event's delivery")
             wait_for(lambda: (client.in_flight(), runs_of_deployment(deployed.deployment_id, point_env.run))[1],
                      60, "the fallback run")  # fmt: skip
             [outcome] = client.drain(timeout=240)
     finally:
-        _set_trigger(deployed.api_url, deployed.deployment_id, enabled=True)
+        hook.close()
     assert outcome.state == "measured", outcome
+    assert len(hook.received) == 1
     runs = runs_of_deployment(deployed.deployment_id, point_env.run)
     assert len(runs) == 1 and runs[0].name == f"{point_env.run}/step-4"
     fallbacks = [r for r in caplog.records if "no flow run from its event" in r.getMessage()]
