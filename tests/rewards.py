@@ -25,3 +25,11 @@ def explode_once(response: str, label: str) -> float:
     except FileExistsError:
         return float(response.strip() == label.strip())
     raise RuntimeError(f"reward failed on purpose (first attempt of flow run {flow_run.id})")
+
+
+def slow(response: str, label: str) -> float:
+    """Exact match, a second per sample: holds a point in its score phase so a test can kill it there."""
+    import time
+
+    time.sleep(1.0)
+    return float(response.strip() == label.strip())

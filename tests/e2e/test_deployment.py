@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 from prefect import get_client
 
-from blocks import StagingBlock
+from blocks import FleetBlock, StagingBlock
 from pinned_eval.events import BlockNames, point_event, post_events
 from pinned_eval.points import PointRequest, SnapshotSource
 from pinned_eval.sinks import JsonlSink
 from tests.deploykit import Deployed, runs_of_deployment, wait_for
-from tests.pointkit import PointEnv, write_step_snapshot
+from tests.pointkit import SMALL_SUITE, CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 
@@ -45,12 +46,18 @@ def test_event_triggers_exactly_one_run_per_event_id(point_env: PointEnv, deploy
 
 
 def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(
-    point_env: PointEnv, deployed: Deployed, tiny_model: Path
+    deployed: Deployed, cpu_fleet: CpuFleet, tiny_model: Path, tmp_path: Path
 ):
+    # a reward that takes a second per sample holds the point in its score phase (12 samples)
+    slow = SMALL_SUITE.model_copy(
+        update={"defaults": SMALL_SUITE.defaults.model_copy(update={"reward": "custom:tests.rewards:slow"})}
+    )
+    fleet = FleetBlock(name=f"f{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
+    point_env = save_point_blocks(tmp_path, fleet, suite=slow)
     dest = request_point(point_env, deployed, 22, tiny_model)
     [fr] = wait_for(lambda: runs_of_deployment(deployed.deployment_id, point_env.run), 60, "the triggered run")
     proc = wait_for(lambda: _flow_run_process(deployed.worker_pid, str(fr.id)), 60, "the flow-run process")
-    wait_for(lambda: _task_started(fr.id, "pin"), 90, "the point to reach its pin")  # mid-point, not at boot
+    wait_for(lambda: _task_started(fr.id, "score"), 120, "the point to reach its score")  # mid-point, not at boot
     os.kill(proc.pid, signal.SIGKILL)
     done = wait_for(lambda: (r := _read(fr.id)).state.is_final() and r, 120, "the crash to be recorded")
     assert done.state.is_crashed()
