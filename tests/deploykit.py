@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
@@ -75,3 +76,14 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):  
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def flow_run_process(worker_pid: int, flow_run_id: str) -> psutil.Process | None:
+    """The worker's child process running `flow_run_id` (found by its PREFECT__FLOW_RUN_ID)."""
+    for child in psutil.Process(worker_pid).children(recursive=True):
+        try:
+            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None

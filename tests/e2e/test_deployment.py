@@ -7,7 +7,6 @@ import signal
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 from prefect import get_client
 
@@ -15,7 +14,7 @@ from blocks import FleetBlock, StagingBlock
 from pinned_eval.events import BlockNames, point_event, post_events
 from pinned_eval.points import PointRequest, SnapshotSource
 from pinned_eval.sinks import JsonlSink
-from tests.deploykit import Deployed, runs_of_deployment, wait_for
+from tests.deploykit import Deployed, flow_run_process, runs_of_deployment, wait_for
 from tests.pointkit import SMALL_SUITE, CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +55,7 @@ def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(
     point_env = save_point_blocks(tmp_path, fleet, suite=slow)
     dest = request_point(point_env, deployed, 22, tiny_model)
     [fr] = wait_for(lambda: runs_of_deployment(deployed.deployment_id, point_env.run), 60, "the triggered run")
-    proc = wait_for(lambda: _flow_run_process(deployed.worker_pid, str(fr.id)), 60, "the flow-run process")
+    proc = wait_for(lambda: flow_run_process(deployed.worker_pid, str(fr.id)), 60, "the flow-run process")
     wait_for(lambda: _task_started(fr.id, "score"), 120, "the point to reach its score")  # mid-point, not at boot
     os.kill(proc.pid, signal.SIGKILL)
     done = wait_for(lambda: (r := _read(fr.id)).state.is_final() and r, 120, "the crash to be recorded")
@@ -80,11 +79,3 @@ def _read(flow_run_id):  # type: ignore[no-untyped-def]
         return c.read_flow_run(flow_run_id)
 
 
-def _flow_run_process(worker_pid: int, flow_run_id: str) -> psutil.Process | None:
-    for child in psutil.Process(worker_pid).children(recursive=True):
-        try:
-            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None

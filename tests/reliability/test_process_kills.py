@@ -36,7 +36,7 @@ from flows.eval_point import eval_point
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.staging import Staging
-from tests.deploykit import REPO, Deployed, wait_for
+from tests.deploykit import REPO, Deployed, flow_run_process, wait_for
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
 from tests.reliability.netfaults import FaultyHTTPProxy, Rule
 from tests.s3_fixtures import KEY, SECRET, S3Server
@@ -65,14 +65,6 @@ def _task_running(flow_run_id: str, prefix: str) -> bool:
     return any(t.name.startswith(prefix) and t.state and t.state.is_running() for t in _tasks(flow_run_id))
 
 
-def _flow_run_process(worker_pid: int, flow_run_id: str) -> psutil.Process | None:
-    for child in psutil.Process(worker_pid).children(recursive=True):
-        try:
-            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
 
 
 def _read(flow_run_id: str):  # type: ignore[no-untyped-def]
@@ -166,7 +158,7 @@ def test_flow_run_sigkilled_in_every_phase(
 
     def kill_when_held(ph: Phase) -> None:
         wait_for(ph.stalled, 240, f"the {ph.name} phase to be held", interval_s=0.5)
-        proc = wait_for(lambda: _flow_run_process(deployed.worker_pid, ph.flow_run_id), 30, "the flow-run process")
+        proc = wait_for(lambda: flow_run_process(deployed.worker_pid, ph.flow_run_id), 30, "the flow-run process")
         os.kill(proc.pid, signal.SIGKILL)
         ph.after_kill()
 
