@@ -27,6 +27,12 @@ SMALL_SUITE = EvalSuite(
     defaults=SamplingDefaults(temperature=0.0, max_new_tokens=3, n_samples_per_prompt=1, reward="exact_match"),
 )
 
+# a reward that takes a second per sample holds a point in its score phase (12 samples), so a
+# test can kill or stall it there and the kill always lands mid-point
+SLOW_SUITE = SMALL_SUITE.model_copy(
+    update={"defaults": SMALL_SUITE.defaults.model_copy(update={"reward": "custom:tests.rewards:slow"})}
+)
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -105,3 +111,10 @@ def save_point_blocks(
 def point_env(prefect_server: str, cpu_fleet: CpuFleet, tmp_path: Path) -> PointEnv:
     fleet = FleetBlock(name=f"f{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
     return save_point_blocks(tmp_path, fleet)
+
+
+@pytest.fixture
+def slow_point_env(prefect_server: str, cpu_fleet: CpuFleet, tmp_path: Path) -> PointEnv:
+    """Like `point_env`, with `SLOW_SUITE`: the point stays in its score phase for ~12 s."""
+    fleet = FleetBlock(name=f"f{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
+    return save_point_blocks(tmp_path, fleet, suite=SLOW_SUITE)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
 from prefect import get_client
 
-from blocks import FleetBlock, StagingBlock
+from blocks import StagingBlock
 from pinned_eval.events import BlockNames, point_event, post_events
 from pinned_eval.points import PointRequest, SnapshotSource
 from pinned_eval.sinks import JsonlSink
 from tests.deploykit import Deployed, flow_run_process, runs_of_deployment, wait_for
-from tests.pointkit import SMALL_SUITE, CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
+from tests.pointkit import PointEnv, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 
@@ -45,14 +44,9 @@ def test_event_triggers_exactly_one_run_per_event_id(point_env: PointEnv, deploy
 
 
 def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(
-    deployed: Deployed, cpu_fleet: CpuFleet, tiny_model: Path, tmp_path: Path
+    slow_point_env: PointEnv, deployed: Deployed, tiny_model: Path
 ):
-    # a reward that takes a second per sample holds the point in its score phase (12 samples)
-    slow = SMALL_SUITE.model_copy(
-        update={"defaults": SMALL_SUITE.defaults.model_copy(update={"reward": "custom:tests.rewards:slow"})}
-    )
-    fleet = FleetBlock(name=f"f{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
-    point_env = save_point_blocks(tmp_path, fleet, suite=slow)
+    point_env = slow_point_env
     dest = request_point(point_env, deployed, 22, tiny_model)
     [fr] = wait_for(lambda: runs_of_deployment(deployed.deployment_id, point_env.run), 60, "the triggered run")
     proc = wait_for(lambda: flow_run_process(deployed.worker_pid, str(fr.id)), 60, "the flow-run process")

@@ -145,23 +145,23 @@ def _start_point_process(env: PointEnv, step: int, dest: str, log: Path) -> subp
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _pin_started(run: str):  # type: ignore[no-untyped-def]
+def _task_started(run: str, task: str):  # type: ignore[no-untyped-def]
     from prefect.client.schemas.filters import FlowRunFilter
 
     with get_client(sync_client=True) as c:
         for fr in point_flow_runs(c, run):
             tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]}))
-            if any(t.name.startswith("pin") for t in tasks):
+            if any(t.name.startswith(task) for t in tasks):
                 return fr
     return None
 
 
-def test_janitor_crashes_a_point_whose_host_is_gone(point_env: PointEnv, tiny_model: Path, tmp_path: Path):
-    env = point_env
+def test_janitor_crashes_a_point_whose_host_is_gone(slow_point_env: PointEnv, tiny_model: Path, tmp_path: Path):
+    env = slow_point_env  # held ~12 s in its score phase, so the kill always lands mid-point
     dest = staged(env, 3, tiny_model)
     proc = _start_point_process(env, 3, dest, tmp_path / "point.log")
     try:
-        fr = wait_for(lambda: _pin_started(env.run), 90, "the point to reach its pin")
+        fr = wait_for(lambda: _task_started(env.run, "score"), 120, "the point to reach its score")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # host loss: no finally, no hook, nobody reports
         proc.wait(timeout=30)
