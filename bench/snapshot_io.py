@@ -2,11 +2,14 @@
 
 1. export: `write_snapshot` (local dir, fsync'd shards) vs a raw `numpy.tofile` of the same tensor
    bytes into one file (+ fsync) — goal >= 0.85;
-2. S3 upload: `Staging.put` (s3fs, marker last) vs boto3 `upload_file` of the same files to the
-   same moto server (a separate `moto_server` process on 127.0.0.1) — goal >= 0.9; plus one
-   32 MiB PUT through each client, to separate the HTTP transport from the upload strategy;
+2. S3 upload: `Staging.put` (`s3_upload`: 8 MiB parts, 10 in flight, CRC-32 per request, no
+   payload SHA-256, marker last) vs boto3 `upload_file` of the same files to the same moto server
+   (a separate `moto_server` process on 127.0.0.1) — goal >= 0.9; plus boto3 with payload signing
+   off too (the same work as ours), s3fs's own `put` and one 32 MiB PUT through each client, to
+   separate the upload strategy from the HTTP transport;
 3. completeness check: 1 GiB vs 1 MiB snapshot with the same shard count, local and on S3 —
-   goal ~= 1 (header reads only, so size must not matter);
+   goal ~= 1 (header reads only, so size must not matter); on S3 also the requests and bytes the
+   check fetches (counted on the client) and moto's own ranged-GET time, big vs small;
 4. (why the writer streams shards) one shard written by `write_snapshot` vs safetensors' own
    `save_file` and `save()` -> bytes -> write, all fsync'd.
 
@@ -27,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -160,10 +164,37 @@ def _encoding_rows(ts: list[tuple[str, torch.Tensor]], repeats: int, work: Path)
 
 
 def _check_row(label: str, big: str, small: str, opts: dict | None, repeats: int) -> Row:
-    t_big = _median_time(lambda: check_snapshot(big, opts), repeats)
-    t_small = _median_time(lambda: check_snapshot(small, opts), repeats)
     assert check_snapshot(big, opts).complete and check_snapshot(small, opts).complete
-    return (label, t_big * 1e3, t_small * 1e3, f"{t_big / t_small:.2f}", "~ 1")
+    t_big, t_small, small_over_big = _paired(lambda: check_snapshot(big, opts), lambda: check_snapshot(small, opts),
+                                             repeats, lambda: None, lambda: None)
+    return (label, t_big * 1e3, t_small * 1e3, f"{1 / small_over_big:.2f}", "~ 1")
+
+
+def _check_traffic_rows(big: str, small: str, opts: dict) -> list[Row]:
+    """What the S3 check asks of the server, counted on the client: requests and body bytes."""
+    from fsspec.asyn import sync
+
+    from pinned_eval.snapshot.layout import resolve
+
+    fs, _ = resolve(big, opts)  # fsspec caches instances: the one check_snapshot will use
+    sync(fs.loop, fs.set_session)
+    seen: list[tuple[str, int]] = []
+
+    def count(http_response: Any, model: Any, **_: Any) -> None:
+        body = int(http_response.headers.get("content-length", 0)) if model.name == "GetObject" else 0
+        seen.append((model.name, body))
+
+    fs.s3.meta.events.register("after-call.s3", count)
+    traffic = []
+    for url in (big, small):
+        seen.clear()
+        assert check_snapshot(url, opts).complete
+        traffic.append((len(seen), sum(b for _, b in seen)))
+    fs.s3.meta.events.unregister("after-call.s3", count)
+    (n_big, b_big), (n_small, b_small) = traffic
+    return [("  check S3 traffic: requests, big vs small", n_big, n_small, f"{n_big / n_small:.2f}", "= 1"),
+            ("  check S3 traffic: KiB fetched, big vs small", b_big / 1024, b_small / 1024,
+             f"{b_big / b_small:.2f}", "= 1")]
 
 
 def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
@@ -180,7 +211,7 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
     ts.clear()
     write_snapshot(_tensors(MiB, shards * 4), str(tiny), max_shard_bytes=MiB // shards)
     rows.append(_check_row(f"check local: {mib:.0f} MiB vs 1 MiB, {shards} shards (ms)",
-                           str(big), str(tiny), None, repeats * 10))
+                           str(big), str(tiny), None, repeats * 100))
 
     proc, endpoint = _start_moto(work / "moto.log")
     try:
@@ -206,6 +237,25 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
         rows.append(("S3 upload: Staging.put vs boto3 upload_file (MiB/s)", mib / t, mib / r,
                      f"{ratio:.2f}", ">= 0.9"))
 
+        unsigned = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+                                region_name="us-east-1",
+                                config=Config(read_timeout=600, s3={"payload_signing_enabled": False}))
+
+        def boto_unsigned() -> None:  # boto3 doing exactly our work: CRC-32, no payload SHA-256
+            for p in files:
+                unsigned.upload_file(str(p), "bench", f"boto/{p.name}")
+
+        t, r, ratio = _paired(lambda: staging.put(big, "bench", 1), boto_unsigned, repeats, wipe, wipe)
+        rows.append(("  Staging.put vs boto3 upload_file with payload signing off too (MiB/s)", mib / t, mib / r,
+                     f"{ratio:.2f}", "(fair)"))
+
+        def s3fs_put() -> None:  # what Staging.put did before s3_upload: s3fs's own put (parts in waves)
+            staging.fs.put([str(p) for p in files], [f"bench/s3fs/{p.name}" for p in files])
+
+        t, r, ratio = _paired(s3fs_put, boto_upload, repeats, wipe, wipe)
+        rows.append(("  s3fs put (50 MiB parts in waves) vs boto3 upload_file (MiB/s)", mib / t, mib / r,
+                     f"{ratio:.2f}", "(why)"))
+
         body = os.urandom(32 * MiB)  # the transport alone: one PUT of the same bytes, no multipart
         t, r, ratio = _paired(lambda: staging.fs.pipe_file("bench/put/a", body),
                               lambda: client.put_object(Bucket="bench", Key="put/b", Body=body), repeats, wipe, wipe)
@@ -216,6 +266,7 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
         big_s3, small_s3 = staging.put(big, "bench", 1), staging.put(tiny, "bench", 2)
         rows.append(_check_row(f"check S3: {mib:.0f} MiB vs 1 MiB, {shards} shards (ms)",
                                big_s3, small_s3, opts, repeats * 3))
+        rows += _check_traffic_rows(big_s3, small_s3, opts)
         shard_names = [p.name for p in files if p.name.endswith(".safetensors")]
 
         def heads(url: str) -> Callable[[], object]:  # the same ranged GETs the check makes, via boto3

@@ -5,7 +5,8 @@ Layout: `<root>/<run>/step_<step:08d>/` holds one snapshot. Invariants:
   with a `..` segment, a symlink, a local path resolving outside the root, another bucket or
   another prefix raises `StagingPathError` before anything is deleted; the marker goes first so
   readers stop trusting a snapshot that is being removed;
-- `put` uploads marker-last and refuses an incomplete source;
+- `put` uploads marker-last and refuses an incomplete source (to S3 with a sliding window of
+  parts in flight, `s3_upload`);
 - `retire(path, owned=False)` never deletes anything (e.g. an `hf` source the trainer owns);
   owned snapshots are marked `.retired` and enter the run's keep-ring: the newest
   `keep_snapshots` retired snapshots (by step) are kept for reruns, older retired ones deleted;
@@ -33,6 +34,7 @@ from typing import Any
 
 from pinned_eval.points import RUN_PATTERN
 from pinned_eval.settings import get_settings
+from pinned_eval.snapshot import s3_upload
 from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
 from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, join, resolve, to_url
 
@@ -84,6 +86,8 @@ class Staging:
         if cache_max_bytes is not None and cache_max_bytes < 0:
             raise ValueError(f"cache_max_bytes must be >= 0, got {cache_max_bytes}")
         self.storage_options = dict(storage_options or {})
+        if root.startswith(("s3://", "s3a://")):
+            self.storage_options = s3_upload.unsigned_payload(self.storage_options)
         self.fs, root_path = resolve(root, self.storage_options)
         self.local = is_local(self.fs)
         if self.local:
@@ -157,13 +161,17 @@ class Staging:
             self.delete(dest)
         names = sorted(n for n in os.listdir(src) if os.path.isfile(os.path.join(src, n)) and n != MARKER)
         try:
+            pairs = [(os.path.join(src, n), join(self.fs, fs_dest, n)) for n in names]
             if self.local:
                 self.fs.makedirs(fs_dest, exist_ok=True)
-            self.fs.put([os.path.join(src, n) for n in names], [join(self.fs, fs_dest, n) for n in names])
-            if self.local:  # durable before the marker vouches for them
-                for n in names:
-                    fsync_path(join(self.fs, fs_dest, n))
+                self.fs.put([lp for lp, _ in pairs], [rp for _, rp in pairs])
+                for _, rp in pairs:  # durable before the marker vouches for them
+                    fsync_path(rp)
                 fsync_path(fs_dest)
+            elif "s3" in _protocols(self.fs):
+                s3_upload.put_files(self.fs, pairs)
+            else:  # any other fsspec store
+                self.fs.put([lp for lp, _ in pairs], [rp for _, rp in pairs])
             self.fs.put_file(os.path.join(src, MARKER), join(self.fs, fs_dest, MARKER))
         except BaseException:
             with contextlib.suppress(OSError):
@@ -287,6 +295,10 @@ class Staging:
             if d != keep:
                 shutil.rmtree(d, ignore_errors=True)
                 total -= size
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
 
 def _ls_files(fs: Any, fs_path: str) -> builtins.list[tuple[str, str]]:
