@@ -167,3 +167,38 @@ def test_shard_written_once_when_its_last_tensor_arrives(tmp_path: Path) -> None
     st = first.stat()
     assert (st.st_ino, st.st_mtime_ns) == seen["first"], "shard 1 was rewritten"
     assert check_snapshot(str(dest)).complete
+
+
+def test_every_file_and_the_dir_are_fsynced_before_the_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    import pinned_eval.snapshot.writer as writer
+
+    d = tmp_path / "s"
+    synced: list[tuple[str, bool]] = []  # (name, marker present when its fsync finished)
+
+    def slow_fsync(path: str) -> None:  # background fsyncs that finish late
+        time.sleep(0.05)
+        synced.append((Path(path).name, (d / MARKER).exists()))
+
+    monkeypatch.setattr(writer, "fsync_path", slow_fsync)
+    write_snapshot(named_tensors(), str(d), base_hf_dir=str(tiny_hf_base(tmp_path)), max_shard_bytes=30_000)
+    on_disk = {p.name for p in d.iterdir()} - {MARKER}
+    assert {name for name, _ in synced} == on_disk | {"s"}, "every file but the marker, and the dir"
+    assert synced[-1][0] == "s", "the directory last"
+    assert not any(marker for _, marker in synced), "no fsync finished after the marker appeared"
+
+
+def test_a_failed_fsync_fails_the_export_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pinned_eval.snapshot.writer as writer
+
+    def failing_fsync(path: str) -> None:
+        if Path(path).name.startswith("model-00002"):
+            raise OSError(5, "Input/output error", path)
+
+    monkeypatch.setattr(writer, "fsync_path", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_snapshot(named_tensors(), str(tmp_path / "s"), max_shard_bytes=30_000)
+    assert not (tmp_path / "s").exists()
