@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -219,7 +220,7 @@ class RolloutWorker:
 
     def _roll_out(self, groups: list[Group]) -> None:
         """Generation thread: one batched sampling call for every queued group, filled in place."""
-        samples = [s for g in groups for s in iter_samples(g)]
+        samples = [cast(Sample, s) for g in groups for s in iter_samples(g)]  # this producer makes Samples
         with self._lock:
             version = self._version
             gens = sample(

@@ -28,7 +28,7 @@ import copy
 import random
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -37,7 +37,7 @@ from pinned_eval.demo import tasks
 from pinned_eval.demo.rollouts import CyclingSource, PromptItem, RolloutWorker, sample
 from pinned_eval.snapshot.writer import write_snapshot
 from trainer_integration.producer import ProducerConfig
-from trainer_integration.rollout_buffer import iter_samples
+from trainer_integration.rollout_buffer import Sample, iter_samples
 
 
 class DemoConfig(BaseModel):
@@ -135,15 +135,18 @@ class DemoTrainer:
         t0 = time.perf_counter()
         if self.phase == "warmup":
             batch = [self._rng.choice(self._warm_facts) for _ in range(self.config.warmup_batch_size)]
-            seqs = [(self._prompt_ids(f.prompt), self._answer_ids(f)) for f in batch]
-            loss = self._optimize(seqs, [1.0] * len(seqs), normalize=len(seqs))
-            return self._finish(t0, "warmup", loss, None, len(seqs), None, {})
-        for group in self.opt.param_groups:
-            group["lr"] = self.config.rl_lr
+            facts = [(self._prompt_ids(f.prompt), self._answer_ids(f)) for f in batch]
+            loss = self._optimize(facts, [1.0] * len(facts), normalize=len(facts))
+            return self._finish(t0, "warmup", loss, None, len(facts), None, {})
+        for param_group in self.opt.param_groups:
+            param_group["lr"] = self.config.rl_lr
         rollouts = self._rollout_worker().get_batch(timeout=self.config.batch_timeout_s)
-        seqs, weights, rewards, versions = [], [], [], []
+        seqs: list[tuple[list[int], list[int]]] = []
+        weights: list[float] = []
+        rewards: list[float] = []
+        versions: list[int] = []
         for group in rollouts.groups:
-            samples = list(iter_samples(group))
+            samples = [cast(Sample, s) for s in iter_samples(group)]  # the demo producer makes Samples
             r = [float(s.reward or 0.0) for s in samples]
             mean = sum(r) / len(r)
             std = (sum((x - mean) ** 2 for x in r) / len(r)) ** 0.5
@@ -153,6 +156,7 @@ class DemoTrainer:
                 seqs.append((self._prompt_ids(s.prompt), list(s.metadata["response_ids"])))
                 weights.append(w)
                 rewards.append(ri)
+                assert s.weight_version is not None, "a generated sample carries its weight version"
                 versions.append(s.weight_version)
         used = sum(1 for w in weights if w != 0)
         norm = len(seqs) if self.config.objective == "pg" else max(used, 1)
