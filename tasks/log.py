@@ -3,7 +3,10 @@
 Contract: a measured point writes one row per dataset, a skipped/failed point one point-level row
 with `eval/skipped_<reason>: 1`; every row is at the point's step. Artifacts: a table per point
 (`eval-<run>-step-<step>`) and the run's history table `eval-<run>` (one row per step, newest
-record wins) — a new version of it per point. Secrets never enter a row or an artifact.
+record wins) — a new version of it per point. With a JSONL sink the history is rebuilt from the
+JSONL file, so it also holds the skips the trainer recorded itself (`busy`, `export_failed`: no
+flow ran for them); without one it is the previous version plus this point. Secrets never enter a
+row or an artifact.
 """
 
 from __future__ import annotations
@@ -54,16 +57,22 @@ def _history_row(rows: list[MetricRow]) -> dict[str, Any]:
     return row
 
 
-def _update_history(run: str, rows: list[MetricRow]) -> None:
+def _update_history(run: str, rows: list[MetricRow], jsonl_path: str | None) -> None:
     key = history_artifact_key(run)
-    previous = cast(Artifact | None, Artifact.get(key))
     table: list[dict[str, Any]] = []
-    if previous is not None and previous.data:
-        raw = json.loads(previous.data) if isinstance(previous.data, str) else previous.data
-        data = cast(list[dict[str, Any]], raw)
-        table = [r for r in data if r.get("step") != rows[0].step]
-    table.append(_history_row(rows))
-    table.sort(key=lambda r: r["step"])
+    if jsonl_path:
+        by_step: dict[int, list[MetricRow]] = {}
+        for r in JsonlSink(jsonl_path).read(run):  # this point's rows are already in it
+            by_step.setdefault(r.step, []).append(r)
+        table = [_history_row(step_rows) for _, step_rows in sorted(by_step.items())]
+    else:
+        previous = cast(Artifact | None, Artifact.get(key))
+        if previous is not None and previous.data:
+            raw = json.loads(previous.data) if isinstance(previous.data, str) else previous.data
+            data = cast(list[dict[str, Any]], raw)
+            table = [r for r in data if r.get("step") != rows[0].step]
+        table.append(_history_row(rows))
+        table.sort(key=lambda r: r["step"])
     create_table_artifact(table=table, key=key, description=f"eval history of run {run}, one row per step")
 
 
@@ -91,7 +100,7 @@ def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> 
         key=key,
         description=f"eval point {run}/step-{step}",
     )
-    _update_history(run, rows)
+    _update_history(run, rows, sinks.jsonl_path)
     get_run_logger().info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
 
 

@@ -9,14 +9,16 @@ measured rows carry `eval/lag_steps`, and the final point is measured.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from pathlib import Path
 
 import pytest
+from prefect.artifacts import Artifact
 
 from pinned_eval.events import BlockNames
-from pinned_eval.points import progress_variable_name
+from pinned_eval.points import history_artifact_key, progress_variable_name
 from pinned_eval.sinks import JsonlSink
 from tests.deploykit import Deployed, runs_of_deployment
 from tests.pointkit import CpuFleet, PointEnv, write_step_snapshot
@@ -106,6 +108,13 @@ def test_training_loop_records_every_eval_step_once(
             assert len(mine) == 1 and mine[0].metrics[f"eval/skipped_{mine[0].reason}"] == 1
         else:
             assert states == {"measured"} and {r.dataset for r in mine} == {"arith_add", "arith_sub"}
+    # the run's history artifact, rebuilt from the JSONL by the last point, holds the trainer's skips too
+    history = Artifact.get(history_artifact_key(point_env.run))
+    assert history is not None
+    table = json.loads(history.data) if isinstance(history.data, str) else history.data
+    assert [(r["step"], r["state"], r["reason"] or None) for r in table] == [
+        (s, by_step[s].state, by_step[s].reason) for s in eval_steps
+    ]
     # exports that ran were timed and passed through; skipped-busy points exported nothing
     for r in dispatched:
         if r.action == "requested":
