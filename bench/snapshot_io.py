@@ -7,6 +7,8 @@
    (a separate `moto_server` process on 127.0.0.1) — goal >= 0.9; plus boto3 with payload signing
    off too (the same work as ours), s3fs's own `put` and one 32 MiB PUT through each client, to
    separate the upload strategy from the HTTP transport;
+   and the in-loop export straight to S3 (`write_snapshot` to `s3://`, shards streamed through
+   `s3_upload.PartUpload`) against boto3 uploading the same bytes from local files;
 3. completeness check: 1 GiB vs 1 MiB snapshot with the same shard count, local and on S3 —
    goal ~= 1 (header reads only, so size must not matter); on S3 also the requests and bytes the
    check fetches (counted on the client) and moto's own ranged-GET time, big vs small;
@@ -208,7 +210,6 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
     rows += _encoding_rows(ts[:4], repeats, work)
     big, tiny = work / "big", work / "tiny"
     write_snapshot(ts, str(big), max_shard_bytes=shard_bytes)
-    ts.clear()
     write_snapshot(_tensors(MiB, shards * 4), str(tiny), max_shard_bytes=MiB // shards)
     rows.append(_check_row(f"check local: {mib:.0f} MiB vs 1 MiB, {shards} shards (ms)",
                            str(big), str(tiny), None, repeats * 100))
@@ -255,6 +256,14 @@ def run(total_bytes: int, shards: int, repeats: int, work: Path) -> list[Row]:
         t, r, ratio = _paired(s3fs_put, boto_upload, repeats, wipe, wipe)
         rows.append(("  s3fs put (50 MiB parts in waves) vs boto3 upload_file (MiB/s)", mib / t, mib / r,
                      f"{ratio:.2f}", "(why)"))
+
+        # the in-loop export to an s3:// staging root: tensors straight to S3, no local copy
+        t, r, ratio = _paired(lambda: write_snapshot(ts, "s3://bench/direct", storage_options=staging.storage_options,
+                                                     max_shard_bytes=shard_bytes),
+                              boto_upload, repeats, wipe, wipe)
+        rows.append(("export to S3: write_snapshot(s3://) vs boto3 upload_file of the files (MiB/s)", mib / t,
+                     mib / r, f"{ratio:.2f}", "(in-loop)"))
+        ts.clear()
 
         body = os.urandom(32 * MiB)  # the transport alone: one PUT of the same bytes, no multipart
         t, r, ratio = _paired(lambda: staging.fs.pipe_file("bench/put/a", body),

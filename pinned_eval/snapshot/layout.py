@@ -68,16 +68,40 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
     """(filesystem, path without protocol) for a local path or URL.
 
     S3 listings are not cached: other processes (trainers, other points) write the same prefixes.
+    S3 payload signing is off unless the caller set it (`unsigned_payload`).
     """
     opts = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
         opts.setdefault("use_listings_cache", False)
+        opts = unsigned_payload(opts)
     fs, path = fsspec.core.url_to_fs(url, **opts)
     return fs, path.rstrip("/") or path
 
 
+def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def unsigned_payload(storage_options: dict[str, Any]) -> dict[str, Any]:
+    """`storage_options` with botocore's payload signing off unless the caller set it.
+
+    Over HTTPS botocore already sends `UNSIGNED-PAYLOAD` when a checksum header is present; over
+    plain HTTP (a local MinIO, moto) it SHA-256-hashes every body on s3fs's single IO thread, which
+    halves upload throughput. Integrity comes from the CRC-32 each request carries (in a signed
+    header) and the server verifies.
+    """
+    config = dict(storage_options.get("config_kwargs") or {})
+    s3_config = dict(config.get("s3") or {})
+    s3_config.setdefault("payload_signing_enabled", False)
+    return {**storage_options, "config_kwargs": {**config, "s3": s3_config}}
+
+
 def is_local(fs: AbstractFileSystem) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    return "file" in _protocols(fs)
+
+
+def is_s3(fs: AbstractFileSystem) -> bool:
+    return "s3" in _protocols(fs)
 
 
 def join(fs: AbstractFileSystem, base: str, name: str) -> str:

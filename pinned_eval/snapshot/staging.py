@@ -36,7 +36,7 @@ from pinned_eval.points import RUN_PATTERN
 from pinned_eval.settings import get_settings
 from pinned_eval.snapshot import s3_upload
 from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
-from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, join, resolve, to_url
+from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, is_s3, join, resolve, to_url
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _RUN = re.compile(RUN_PATTERN)
@@ -86,8 +86,6 @@ class Staging:
         if cache_max_bytes is not None and cache_max_bytes < 0:
             raise ValueError(f"cache_max_bytes must be >= 0, got {cache_max_bytes}")
         self.storage_options = dict(storage_options or {})
-        if root.startswith(("s3://", "s3a://")):
-            self.storage_options = s3_upload.unsigned_payload(self.storage_options)
         self.fs, root_path = resolve(root, self.storage_options)
         self.local = is_local(self.fs)
         if self.local:
@@ -168,7 +166,7 @@ class Staging:
                 for _, rp in pairs:  # durable before the marker vouches for them
                     fsync_path(rp)
                 fsync_path(fs_dest)
-            elif "s3" in _protocols(self.fs):
+            elif is_s3(self.fs):
                 s3_upload.put_files(self.fs, pairs)
             else:  # any other fsspec store
                 self.fs.put([lp for lp, _ in pairs], [rp for _, rp in pairs])
@@ -295,10 +293,6 @@ class Staging:
             if d != keep:
                 shutil.rmtree(d, ignore_errors=True)
                 total -= size
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
 
 def _ls_files(fs: Any, fs_path: str) -> builtins.list[tuple[str, str]]:

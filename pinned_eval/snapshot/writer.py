@@ -17,10 +17,11 @@ Contract of `write_snapshot`:
    (a `Manifest`) strictly last;
 6. on any failure every file this call wrote is removed (and the directory if this call made it).
 
-Shards are streamed through `fs.open(..., "wb")`: a header built from the plan, then each tensor's
-bytes as a zero-copy memoryview. Measured on 512 MiB of bf16 (ext4, page cache): 4.2 GiB/s, the
-same as `safetensors.torch.save_file` (4.4 GiB/s) and 10x faster than `save()` -> bytes -> write
-(0.4 GiB/s); it needs no local temp copy for S3, where s3fs turns the stream into a multipart upload.
+Shards are streamed through `fs.open(..., "wb")` (to S3: `s3_upload.PartUpload`, 8 MiB parts with
+10 in flight): a header built from the plan, then each tensor's bytes as a zero-copy memoryview.
+Measured on 512 MiB of bf16 (ext4, page cache): 4.2 GiB/s, the same as
+`safetensors.torch.save_file` (4.4 GiB/s) and 10x faster than `save()` -> bytes -> write
+(0.4 GiB/s); it needs no local temp copy for S3.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from fsspec import AbstractFileSystem
 
+from pinned_eval.snapshot import s3_upload
 from pinned_eval.snapshot.layout import (
     EXPORT_ID_KEY,
     INDEX,
@@ -49,6 +51,7 @@ from pinned_eval.snapshot.layout import (
     Manifest,
     fsync_path,
     is_local,
+    is_s3,
     is_weight_file,
     join,
     resolve,
@@ -152,7 +155,7 @@ class _Writer:
         specs = sorted(specs, key=lambda s: -torch.empty((), dtype=s.dtype).element_size())
         head = _header(specs, self.export_id)
         self.written[fname] = -1  # registered before opening: a failure mid-write still cleans it
-        with self.fs.open(self.path(fname), "wb") as f:
+        with self._open_stream(fname) as f:
             f.write(head)
             for s in specs:
                 t = tensors[s.name]
@@ -160,6 +163,12 @@ class _Writer:
                     f.write(t.reshape(-1).view(torch.uint8).numpy().data)  # zero-copy buffer
         self.written[fname] = len(head) + sum(s.nbytes for s in specs)
         self._flush_later(fname)
+
+    def _open_stream(self, name: str) -> Any:
+        """A shard's output: S3 gets the windowed multipart stream, anything else `fs.open`."""
+        if is_s3(self.fs):
+            return s3_upload.PartUpload(self.fs, self.path(name))
+        return self.fs.open(self.path(name), "wb")
 
     def write_bytes(self, name: str, data: bytes, *, durable: bool = True) -> None:
         self.written[name] = -1

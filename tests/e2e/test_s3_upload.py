@@ -10,6 +10,7 @@ import pytest
 import s3fs
 
 from pinned_eval.snapshot import s3_upload
+from pinned_eval.snapshot.layout import unsigned_payload
 from pinned_eval.snapshot.staging import Staging
 from tests.reliability.netfaults import FaultyHTTPProxy, Rule
 from tests.s3_fixtures import KEY, SECRET, S3Server, s3_server  # noqa: F401 - fixture
@@ -56,13 +57,13 @@ def test_files_arrive_byte_identical_large_ones_in_parts(s3_server: S3Server, tm
 
 def test_payload_signing_is_off_unless_the_caller_set_it() -> None:
     opts = {"key": "k", "config_kwargs": {"read_timeout": 9, "s3": {"addressing_style": "path"}}}
-    assert s3_upload.unsigned_payload(opts) == {
+    assert unsigned_payload(opts) == {
         "key": "k",
         "config_kwargs": {"read_timeout": 9, "s3": {"addressing_style": "path", "payload_signing_enabled": False}},
     }
     assert opts["config_kwargs"]["s3"] == {"addressing_style": "path"}, "the caller's dict is not changed"
     signed = {"config_kwargs": {"s3": {"payload_signing_enabled": True}}}
-    assert s3_upload.unsigned_payload(signed) == signed
+    assert unsigned_payload(signed) == signed
 
 
 def test_bad_arguments_are_refused_before_any_request(tmp_path: Path) -> None:
@@ -121,3 +122,82 @@ def test_staging_put_to_s3_uses_it_and_leaves_nothing_on_failure(
     finally:
         proxy.close()
     assert _fs(s3_server.endpoint_url).find(f"{bucket}/stage/exp1/step_00000004") == []
+
+
+def _pieces(data: bytes, sizes: tuple[int, ...] = (1, 3 * MiB + 7, 4096)) -> list[memoryview]:
+    """`data` cut into odd-sized pieces, as a shard header and tensor buffers arrive."""
+    out, i, k = [], 0, 0
+    while i < len(data):
+        n = sizes[k % len(sizes)]
+        out.append(memoryview(data)[i : i + n])
+        i, k = i + n, k + 1
+    return out
+
+
+def test_a_stream_becomes_parts_and_is_invisible_until_closed(s3_server: S3Server) -> None:  # noqa: F811
+    bucket = s3_server.make_bucket("up")
+    fs, client = _fs(s3_server.endpoint_url), s3_server.client()
+    data = os.urandom(12 * MiB + 123)
+    with s3_upload.PartUpload(fs, f"{bucket}/big", part_bytes=PART, window=2) as f:
+        for piece in _pieces(data):
+            f.write(piece)
+        assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0, "nothing visible before close"
+    assert fs.cat_file(f"{bucket}/big") == data
+    assert client.head_object(Bucket=bucket, Key="big")["ETag"].strip('"').endswith("-3")
+
+    small = os.urandom(1000)
+    with s3_upload.PartUpload(fs, f"{bucket}/small", part_bytes=PART) as f:
+        f.write(small)
+    head = client.head_object(Bucket=bucket, Key="small", ChecksumMode="ENABLED")
+    assert "-" not in head["ETag"] and head["ChecksumCRC32"] == s3_upload.crc32_b64(small)
+    assert fs.cat_file(f"{bucket}/small") == small
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_an_error_in_the_writer_aborts_the_stream(s3_server: S3Server) -> None:  # noqa: F811
+    bucket = s3_server.make_bucket("up")
+    fs, client = _fs(s3_server.endpoint_url), s3_server.client()
+    with pytest.raises(RuntimeError, match="tensor went missing"), s3_upload.PartUpload(
+        fs, f"{bucket}/k", part_bytes=PART
+    ) as f:
+        f.write(os.urandom(11 * MiB))  # two parts sent, one buffered
+        raise RuntimeError("tensor went missing")
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+
+
+def test_a_persistent_part_failure_fails_the_stream_and_aborts(s3_server: S3Server) -> None:  # noqa: F811
+    bucket = s3_server.make_bucket("up")
+    proxy = FaultyHTTPProxy(s3_server.endpoint_url, [Rule("error", methods=("PUT",), path_contains="partNumber=2")])
+    try:
+        with pytest.raises(OSError), s3_upload.PartUpload(_fs(proxy.url), f"{bucket}/k", part_bytes=PART) as f:
+            for piece in _pieces(os.urandom(16 * MiB)):
+                f.write(piece)
+        assert not proxy.seen("pass", "partNumber=2")
+    finally:
+        proxy.close()
+    client = s3_server.client()
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+
+
+def test_the_writer_streams_a_large_shard_to_s3_in_parts(s3_server: S3Server) -> None:  # noqa: F811
+    import torch
+
+    from pinned_eval.snapshot.check import check_snapshot
+    from pinned_eval.snapshot.writer import write_snapshot
+
+    bucket = s3_server.make_bucket("up")
+    opts = {"key": KEY, "secret": SECRET, "endpoint_url": s3_server.endpoint_url}
+    g = torch.Generator().manual_seed(0)
+    tensors = [(f"w{i}", torch.randn(1 << 20, generator=g)) for i in range(5)]  # 5 x 4 MiB, one shard
+    url = f"s3://{bucket}/stage/exp1/step_00000001"
+    res = write_snapshot(tensors, url, storage_options=opts)
+    assert res.shards == 1 and check_snapshot(url, opts).complete
+    key = "stage/exp1/step_00000001/model-00001-of-00001.safetensors"
+    assert s3_server.client().head_object(Bucket=bucket, Key=key)["ETag"].strip('"').endswith("-3"), "8 MiB parts"
+    from safetensors.torch import load
+
+    got = load(_fs(s3_server.endpoint_url).cat_file(f"{bucket}/{key}"))
+    for name, t in tensors:
+        assert torch.equal(got[name], t), name
