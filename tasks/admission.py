@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 
 from prefect import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.skips import EvalSkipped, SkipReason
@@ -36,12 +37,17 @@ logging.getLogger("prefect._internal.concurrency").addFilter(_QuietSkipNoise())
 
 
 def ensure_limit(name: str, limit: int) -> None:
-    """Create the global concurrency limit `name` with `limit` slots unless it exists."""
+    """Create the global concurrency limit `name` with `limit` slots unless it exists.
+
+    Safe when points of the same run (or fleet) start at once: a limit another caller created
+    between our read and our create is kept as it is.
+    """
     with get_client(sync_client=True) as client:
         try:
             client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
-            client.upsert_global_concurrency_limit_by_name(name, limit)
+            with suppress(ObjectAlreadyExists):  # created by a concurrent point just now
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
 
 
 def _is_locked(exc: ConcurrencySlotAcquisitionError) -> bool:

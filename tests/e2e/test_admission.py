@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 from prefect import get_client
@@ -56,6 +57,33 @@ def test_existing_limit_size_is_kept(prefect_server: str) -> None:
     ensure_limit(inflight_limit_name(run), 1)
     with get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(inflight_limit_name(run)).limit == 3
+
+
+def test_points_starting_at_once_create_the_limit_once(prefect_server: str) -> None:
+    """Every caller reads "not found" first, then all create: the losers must not fail."""
+    from concurrent.futures import ThreadPoolExecutor
+    from unittest import mock
+
+    from prefect.client.orchestration import SyncPrefectClient
+
+    name = inflight_limit_name(f"adm-race-{uuid.uuid4().hex[:8]}")
+    barrier = threading.Barrier(6)
+    read = SyncPrefectClient.read_global_concurrency_limit_by_name
+
+    def read_then_wait(self, limit_name):  # type: ignore[no-untyped-def]
+        try:
+            return read(self, limit_name)
+        finally:
+            barrier.wait(30)  # nobody creates before everybody has read
+
+    with (
+        mock.patch.object(SyncPrefectClient, "read_global_concurrency_limit_by_name", read_then_wait),
+        ThreadPoolExecutor(6) as pool,
+    ):
+        results = list(pool.map(lambda _: ensure_limit(name, 2), range(6)))
+    assert results == [None] * 6
+    with get_client(sync_client=True) as c:
+        assert c.read_global_concurrency_limit_by_name(name).limit == 2
 
 
 def test_blocks_register_with_the_prefect_cli(prefect_server: str) -> None:

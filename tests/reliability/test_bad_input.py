@@ -16,6 +16,7 @@ import pytest
 from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 from pydantic import ValidationError
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
@@ -62,6 +63,11 @@ def test_block_fields_are_refused_by_name(make, field: str) -> None:  # type: ig
     assert field in str(info.value)
 
 
+def _busy(exc: BaseException) -> bool:  # SQLite-backed server under load answers 503: try again
+    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 503
+
+
+@retry(retry=retry_if_exception(_busy), wait=wait_exponential(0.2, max=3), stop=stop_after_attempt(10), reraise=True)
 def _edit_block(api: str, name: str, slug: str, data: dict) -> None:
     """What an operator's edit in the UI does: replace the document's data over REST (unvalidated)."""
     with httpx.Client(base_url=api, timeout=30) as c:
