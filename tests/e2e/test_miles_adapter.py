@@ -119,9 +119,6 @@ async def _collect(api_url: str, run: str, flow_run_id: str, step: int):  # type
         return await collect_point(rest, await rest.wait(flow_run_id), step)
 
 
-@pytest.mark.skip(
-    reason="waiting for the flow wiring"
-)  # eval_point(posture="external", backend=..., backend_options=...)
 def test_deployed_external_point_returns_miles_shaped_results(
     dead_fleet_env: PointEnv, deployed: Deployed, tiny_model: Path, tmp_path: Path
 ) -> None:
