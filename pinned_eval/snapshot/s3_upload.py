@@ -7,23 +7,24 @@ in-loop export streams shards straight to S3 without a local copy).
 s3fs's own `put` sends a file's parts in waves (read `max_concurrency` parts, wait for all of
 them, read the next wave) with 50 MiB parts, so the connection pool idles at the end of every
 wave; boto3's transfer manager keeps 10 parts of 8 MiB in flight at all times. This module does
-the latter on s3fs's session (same credentials, endpoint, retries and error translation), with
-one window shared by all files of a snapshot. `bench/snapshot_io.py` measures it against boto3's
-`upload_file` on the same bytes.
+the latter on s3fs's session (same credentials, endpoint, retries and error translation), one
+object at a time. `bench/snapshot_io.py` measures it against boto3's `upload_file` on the same
+bytes.
 
 Contract:
-- a file of at most `part_bytes` is one `PutObject`; a larger one is a multipart upload whose
-  parts are numbered in file order;
-- at most `window` parts (or whole small files) are in flight at once, so memory stays below
+- an object of at most `part_bytes` is one `PutObject`; a larger one is a multipart upload whose
+  parts are numbered in order;
+- at most `window` parts are in flight at once, so memory stays below
   about `window × part_bytes` (80 MiB by default) whatever the snapshot size;
 - every request carries the CRC-32 of its body (`ChecksumCRC32`, computed off the IO loop), which
-  S3 verifies and keeps with the object (moto keeps it without verifying); with the payload signing
-  off that `layout.resolve` sets for S3 it is the body's only digest, as botocore does by default over HTTPS;
+  S3 verifies and keeps with the object (moto keeps it without verifying); with the payload
+  signing off that `layout.resolve` sets for S3 it is the body's only digest, as botocore does
+  by default over HTTPS;
 - `PartUpload` copies what it is given into the current part, so the caller may reuse its
   buffers once `write` returns; `write` blocks while the window is full;
-- on any error every multipart upload this call started and did not complete is aborted
-  (an abort that fails is noted on the original error, which is re-raised); objects already
-  written are the caller's to delete (`Staging.put` deletes the whole destination prefix).
+- on any error the multipart upload in progress is aborted (an abort that fails is noted on the
+  original error, which is re-raised); objects already written are the caller's to delete
+  (`Staging.put` and the writer delete the whole destination).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import os
 import threading
 import zlib
 from collections.abc import Sequence
@@ -54,86 +54,15 @@ def _check_sizes(part_bytes: int, window: int) -> None:
 def put_files(
     fs: Any, pairs: Sequence[tuple[str, str]], *, part_bytes: int = PART_BYTES, window: int = WINDOW
 ) -> None:
-    """Upload each local `(path, "bucket/key")` pair with `fs` (an `s3fs.S3FileSystem`)."""
+    """Upload each local `(path, "bucket/key")` pair with `fs` (an `s3fs.S3FileSystem`).
+
+    One file after another (as boto3's `upload_file` does), each streamed through a `PartUpload`.
+    """
     _check_sizes(part_bytes, window)
-    sync(fs.loop, _put_files, fs, pairs, part_bytes, window)
-    for _, rpath in pairs:
-        fs.invalidate_cache(rpath)
-
-
-async def _put_files(fs: Any, pairs: Sequence[tuple[str, str]], part_bytes: int, window: int) -> None:
-    slots = asyncio.Semaphore(window)
-    await asyncio.gather(*(_put_file(fs, lpath, rpath, part_bytes, slots) for lpath, rpath in pairs))
-
-
-async def _put_file(fs: Any, lpath: str, rpath: str, part_bytes: int, slots: asyncio.Semaphore) -> None:
-    bucket, key, _ = fs.split_path(rpath)
-    with open(lpath, "rb") as f:
-        if os.fstat(f.fileno()).st_size <= part_bytes:
-            async with slots:
-                body = f.read()
-                crc = await asyncio.to_thread(crc32_b64, body)
-                await fs._call_s3(
-                    "put_object", Bucket=bucket, Key=key, Body=body, ChecksumAlgorithm="CRC32", ChecksumCRC32=crc
-                )
-            return
-        mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32")
-        upload_id = mpu["UploadId"]
-        try:
-            parts = await _send_parts(fs, f, bucket, key, upload_id, part_bytes, slots)
-            await fs._call_s3(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
-        except BaseException as err:
-            try:
-                await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            except Exception as abort_err:  # the upload's own error is the one to report
-                err.add_note(f"abort_multipart_upload of {rpath} failed too: {abort_err!r}")
-            raise
-
-
-async def _send_parts(
-    fs: Any, f: Any, bucket: str, key: str, upload_id: str, part_bytes: int, slots: asyncio.Semaphore
-) -> list[dict[str, Any]]:
-    """Read the next part only when a slot is free; a failed part cancels the ones in flight."""
-
-    async def send(number: int, body: bytes) -> dict[str, Any]:
-        try:
-            crc = await asyncio.to_thread(crc32_b64, body)
-            reply = await fs._call_s3(
-                "upload_part",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=body,
-                ChecksumCRC32=crc,
-            )
-            return {"PartNumber": number, "ETag": reply["ETag"], "ChecksumCRC32": crc}
-        finally:
-            slots.release()
-
-    tasks: list[asyncio.Task[dict[str, Any]]] = []
-    try:
-        while True:
-            await slots.acquire()
-            body = f.read(part_bytes)
-            if not body:
-                slots.release()
-                break
-            tasks.append(asyncio.create_task(send(len(tasks) + 1, body)))
-            if any(t.done() and t.exception() for t in tasks):  # stop reading once a part failed
-                break
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    for lpath, rpath in pairs:
+        with open(lpath, "rb") as f, PartUpload(fs, rpath, part_bytes=part_bytes, window=window) as out:
+            while chunk := f.read(part_bytes):
+                out.write(chunk)
 
 
 class PartUpload:
@@ -157,11 +86,11 @@ class PartUpload:
         view = memoryview(data).cast("B")
         size = len(view)
         while view:
+            if len(self._buf) == self.part_bytes:  # a full part goes once more bytes follow it
+                self._send()
             room = self.part_bytes - len(self._buf)
             self._buf += view[:room]
             view = view[room:]
-            if len(self._buf) == self.part_bytes:
-                self._send()
         return size
 
     def close(self) -> None:
