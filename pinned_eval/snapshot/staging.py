@@ -160,16 +160,16 @@ class Staging:
         names = sorted(n for n in os.listdir(src) if os.path.isfile(os.path.join(src, n)) and n != MARKER)
         try:
             pairs = [(os.path.join(src, n), join(self.fs, fs_dest, n)) for n in names]
-            if self.local:
-                self.fs.makedirs(fs_dest, exist_ok=True)
-                self.fs.put([lp for lp, _ in pairs], [rp for _, rp in pairs])
-                for _, rp in pairs:  # durable before the marker vouches for them
-                    fsync_path(rp)
-                fsync_path(fs_dest)
-            elif is_s3(self.fs):
+            if is_s3(self.fs):
                 s3_upload.put_files(self.fs, pairs)
-            else:  # any other fsspec store
+            else:  # local, or any other fsspec store
+                if self.local:
+                    self.fs.makedirs(fs_dest, exist_ok=True)
                 self.fs.put([lp for lp, _ in pairs], [rp for _, rp in pairs])
+                if self.local:  # durable before the marker vouches for them
+                    for _, rp in pairs:
+                        fsync_path(rp)
+                    fsync_path(fs_dest)
             self.fs.put_file(os.path.join(src, MARKER), join(self.fs, fs_dest, MARKER))
         except BaseException:
             with contextlib.suppress(OSError):

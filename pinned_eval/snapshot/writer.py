@@ -286,32 +286,32 @@ def write_snapshot(
     w = _Writer(fs, root, export_id)
     made_dir = not fs.exists(root)
     try:
-        _clear_stale(fs, root)
-        if is_local(fs):
-            fs.makedirs(root, exist_ok=True)
-        _collect(tensors, specs, weight_map, w)
-        total = sum(s.nbytes for s in plan)
-        index = {"metadata": {"total_size": total, EXPORT_ID_KEY: export_id},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        index_bytes = json.dumps(index, indent=2).encode() + b"\n"
-        w.write_bytes(INDEX, index_bytes)
-        if base_hf_dir is not None:
-            float_dtypes = {s.dtype for s in plan if s.dtype.is_floating_point}
-            dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
-            _copy_base_files(base_hf_dir, w, dtype, storage_options)
-        w.sync()  # every byte and entry above is durable before the marker can be
-        manifest = Manifest(
-            export_id=export_id, index_sha256=hashlib.sha256(index_bytes).hexdigest(), total_size=total,
-            files=dict(w.written), created_at=datetime.now(UTC).isoformat(), metadata=meta,
-        )
-        # Not fsync'd: a marker lost in a crash only makes the snapshot read as incomplete.
-        w.write_bytes(MARKER, manifest.model_dump_json(indent=2).encode(), durable=False)
+        try:
+            _clear_stale(fs, root)
+            if is_local(fs):
+                fs.makedirs(root, exist_ok=True)
+            _collect(tensors, specs, weight_map, w)
+            total = sum(s.nbytes for s in plan)
+            index = {"metadata": {"total_size": total, EXPORT_ID_KEY: export_id},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            index_bytes = json.dumps(index, indent=2).encode() + b"\n"
+            w.write_bytes(INDEX, index_bytes)
+            if base_hf_dir is not None:
+                float_dtypes = {s.dtype for s in plan if s.dtype.is_floating_point}
+                dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
+                _copy_base_files(base_hf_dir, w, dtype, storage_options)
+            w.sync()  # every byte and entry above is durable before the marker can be
+            manifest = Manifest(
+                export_id=export_id, index_sha256=hashlib.sha256(index_bytes).hexdigest(), total_size=total,
+                files=dict(w.written), created_at=datetime.now(UTC).isoformat(), metadata=meta,
+            )
+            # Not fsync'd: a marker lost in a crash only makes the snapshot read as incomplete.
+            w.write_bytes(MARKER, manifest.model_dump_json(indent=2).encode(), durable=False)
+        finally:
+            w.close()  # no background fsync outlives the call, or races the removal below
     except BaseException:
-        w.close()  # before removing: no background fsync races the removal
         _remove_partial(fs, root, w, made_dir)
         raise
-    finally:
-        w.close()
     return WriteResult(path=to_url(fs, root), bytes=sum(w.written.values()),
                        seconds=time.perf_counter() - t0, shards=len(set(weight_map.values())))
 
