@@ -13,11 +13,11 @@ demo: setup
 
 # lint first: a style or type error fails CI in seconds, before the 15-minute suite
 test: setup services
-	.venv/bin/ruff check . && .venv/bin/mypy
+	.venv/bin/ruff check . && .venv/bin/mypy && .venv/bin/lint-imports
 	.venv/bin/python -m pytest -q -p no:cacheprovider
 
 lint: setup
-	.venv/bin/ruff check . && .venv/bin/mypy
+	.venv/bin/ruff check . && .venv/bin/mypy && .venv/bin/lint-imports
 
 bench: setup
 	.venv/bin/python -m bench

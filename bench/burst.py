@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from pinned_eval.prefect_server import env_set
+from app.prefect_server import env_set
 from trainer_integration.client import EvalClient
 from trainer_integration.results import DispatchResult, PointOutcome
 
@@ -323,10 +323,10 @@ def running_postgres(port: int) -> Iterator[LocalPostgres]:
 
 def _burst_on(stack_home: Path, db_url: str | None, model: Path, fleet_state: Path, steps: int) -> BurstReport:
     """Server (SQLite, or Postgres at `db_url`) + deployment + worker, then one burst at max_in_flight 2."""
+    from app.prefect_server import use_server
+    from app.stack import LocalStack
     from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
     from pinned_eval.events import BlockNames
-    from pinned_eval.prefect_server import use_server
-    from pinned_eval.stack import LocalStack
 
     stack = LocalStack(stack_home)
     try:
@@ -353,9 +353,9 @@ def _burst_on(stack_home: Path, db_url: str | None, model: Path, fleet_state: Pa
 
 
 def main(steps: int = 200) -> None:
+    from app.prefect_server import free_port
     from engine.tiny_model import make_tiny_model
     from pinned_eval.fleet.launcher import launch_cpu_fleet
-    from pinned_eval.prefect_server import free_port
 
     reports: dict[str, BurstReport] = {}
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pinned_eval.demo.trainer import DemoConfig, DemoTrainer
+from app.demo.trainer import DemoConfig, DemoTrainer
 
 
 def main(steps: int = 1100, every: int = 100) -> None:

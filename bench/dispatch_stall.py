@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from app.prefect_server import free_port, start_server, stop_server
 from pinned_eval.events import BlockNames, post_events
 from pinned_eval.points import PointRequest, SnapshotSource
-from pinned_eval.prefect_server import free_port, start_server, stop_server
 from trainer_integration.client import EvalClient
 from trainer_integration.events import event_entry
 from trainer_integration.spool import Spool

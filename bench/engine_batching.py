@@ -54,12 +54,12 @@ def _runner_pair(model_dir: Path) -> tuple[float, float]:
 def _http_pair(model_dir: Path, log_dir: Path) -> tuple[float, float]:
     import httpx
 
-    from engine.launch import EngineArgs, spawn_engine
+    from pinned_eval.fleet.cpu_engine import CpuEngineArgs, spawn_engine
 
     with socket.socket() as s:  # a free port on loopback, picked by the OS
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = spawn_engine(EngineArgs(model_path=str(model_dir), port=port), log_dir / "engine.log")
+    proc = spawn_engine(CpuEngineArgs(model_path=str(model_dir), port=port), log_dir / "engine.log")
     try:
         proc.wait_ready(timeout=180)
         body = {"input_ids": [1, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS,

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--points", type=int, default=10)
     parser.add_argument("--events", type=int, default=5)
     args = parser.parse_args(argv or [])
-    from pinned_eval.prefect_server import running_server
+    from app.prefect_server import running_server
 
     with tempfile.TemporaryDirectory() as home, running_server(Path(home)) as server:
         flow_s, bare_s = measure_overhead(args.points)

@@ -2,8 +2,9 @@
 
 Modules: `server` (FastAPI app + uvicorn), `runner` (model thread, continuous batching, weight
 loads), `protocol` (request validation), `decoding` (sampling and finish rules), `weights`
-(safetensors loading), `state` (event-loop side locks and flags), `launch` (process start/stop,
-no torch import), `tiny_model` (offline tiny HF models and perturbed snapshots).
+(safetensors loading), `state` (event-loop side locks and flags), `launch` (`EngineArgs`, no torch
+import), `cli` (`python -m engine`), `tiny_model` (offline tiny HF models and perturbed snapshots).
+A leaf: imports nothing of the project (the project starts it as a `python -m engine` process).
 """
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 import typer
 
-from pinned_eval.commands.engine import serve
+from engine.cli import serve
 
 if __name__ == "__main__":
     typer.run(serve)

@@ -61,15 +61,15 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def stack(args: argparse.Namespace, example: str) -> Iterator[Stack]:
     """This process pointed at a stack (started here with `--self-contained`), blocks saved."""
-    from pinned_eval.prefect_server import free_port, use_server
+    from app.prefect_server import free_port, use_server
 
     run = args.run or f"{example}-{uuid.uuid4().hex[:6]}"
     work = (args.work_dir / run).resolve()
     with contextlib.ExitStack() as stop:
         if args.self_contained:
+            from app.stack import LocalStack
             from engine.tiny_model import make_tiny_model
             from pinned_eval.fleet.launcher import launch_cpu_fleet
-            from pinned_eval.stack import LocalStack
 
             local = LocalStack(work / "stack")
             stop.callback(local.down)
@@ -81,9 +81,9 @@ def stack(args: argparse.Namespace, example: str) -> Iterator[Stack]:
             local.deploy()
             local.worker_up(query_seconds=1)
         else:
+            from app.stack import LocalStack
             from pinned_eval.fleet.launcher import default_state_file
             from pinned_eval.settings import get_settings
-            from pinned_eval.stack import LocalStack
 
             recorded = LocalStack(get_settings().home).state().api_url  # `pinned-eval server up`'s
             api_url = args.api_url or os.environ.get("PREFECT_API_URL") or recorded

@@ -23,9 +23,9 @@ import _stack
 async def train(st: _stack.Stack, steps: int, every: int) -> None:
     import httpx
 
+    from app.demo.rollouts import CyclingSource, PromptItem
+    from app.demo.tasks import facts, reward
     from engine.tiny_model import perturb_snapshot
-    from pinned_eval.demo.rollouts import CyclingSource, PromptItem
-    from pinned_eval.demo.tasks import facts, reward
     from trainer_integration.client import EvalClient
     from trainer_integration.gate import ProducerGate
     from trainer_integration.producer import FullyAsyncProducer, ProducerConfig

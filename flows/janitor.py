@@ -37,7 +37,8 @@ from prefect.states import Crashed
 from pydantic import BaseModel, Field
 
 from blocks import SinksBlock, StagingBlock
-from pinned_eval.history import POINT_FLOW, TERMINAL, point_flow_runs
+from flows.point_runs import point_flow_runs
+from pinned_eval.inflight import POINT_FLOW, TERMINAL
 from pinned_eval.points import SnapshotSource, flow_run_name
 from pinned_eval.skips import SkipReason
 

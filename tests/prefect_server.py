@@ -1,4 +1,4 @@
-"""Tests run against a real local Prefect server (see `pinned_eval.prefect_server`)."""
+"""Tests run against a real local Prefect server (see `app.prefect_server`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pinned_eval.prefect_server import running_server
+from app.prefect_server import running_server
 
 
 @contextmanager

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from pinned_eval.events import BlockNames
+from pinned_eval.inflight import in_flight
 from pinned_eval.points import (
     RUN_PATTERN,
     PointRequest,
@@ -74,7 +75,6 @@ except ImportError:
 
 
 ENV_PREFIX = "PINNED_EVAL_MILES_"
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
 POINT_KEYS = frozenset({"eval/step", "eval/lag_steps", "eval/duration_seconds", "eval/export_time_seconds"})
 
 
@@ -211,7 +211,7 @@ class PinnedEvalREST:
         while True:
             run = await self._json("GET", f"/flow_runs/{flow_run_id}")
             state = run.get("state") or {}
-            if state.get("type") in TERMINAL:
+            if not in_flight(state.get("type")):
                 return PointOutcome(
                     flow_run_id=flow_run_id,
                     state_type=state["type"],

@@ -6,9 +6,8 @@ Contract: every call goes through one `httpx.Client` built by `api_client` with 
 cannot be reached or answers 5xx, so callers can degrade (admit and spool) instead of failing;
 other HTTP errors raise `httpx.HTTPStatusError`.
 
-A point's flow runs are the eval-point flow's runs tagged `run:<run>` (the flow tags itself at
-start; trainer-side skip records are created tagged) or not yet terminal (a triggered run carries
-only the deployment's tags until it starts), matched on their `run` parameter — one query.
+A run's point flow runs and which are in flight are defined once, in `pinned_eval.inflight`
+(one query, matched on the `run` parameter); `point_runs` sends that query.
 """
 
 from __future__ import annotations
@@ -20,10 +19,9 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from pinned_eval.inflight import POINT_FLOW, in_flight, is_point_of, point_runs_filter
 from pinned_eval.settings import PrefectApiSettings
 
-NON_TERMINAL = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
-TERMINAL = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
 _PAGE = 200
 
 
@@ -49,7 +47,7 @@ class PointRun(BaseModel):
 
     @property
     def terminal(self) -> bool:
-        return self.state_type in TERMINAL
+        return not in_flight(self.state_type)
 
 
 def auth_headers(settings: PrefectApiSettings) -> dict[str, str]:
@@ -69,7 +67,7 @@ def api_client(
 
 
 class PrefectRest:
-    def __init__(self, api_url: str, http: httpx.Client, *, flow_name: str = "eval-point") -> None:
+    def __init__(self, api_url: str, http: httpx.Client, *, flow_name: str = POINT_FLOW) -> None:
         self.api = api_url.rstrip("/")
         self.http = http
         self.flow_name = flow_name
@@ -111,22 +109,9 @@ class PrefectRest:
             offset += _PAGE
 
     def point_runs(self, run: str) -> list[PointRun]:
-        """Flow runs of `run`'s eval points, oldest first: one query for runs of the eval-point flow
-        that are tagged `run:<run>` (started runs, skip records) or not terminal yet (a triggered
-        run carries only the deployment's tags until it starts), matched on the `run` parameter."""
-        body = {
-            "flows": {"name": {"any_": [self.flow_name]}},
-            "flow_runs": {
-                "operator": "or_",
-                "tags": {"all_": [f"run:{run}"]},
-                "state": {"type": {"any_": NON_TERMINAL}},
-            },
-        }
-        runs = [
-            _point_run(r)
-            for r in self._filter(body)
-            if (r.get("parameters") or {}).get("run") == run and "step" in r["parameters"]
-        ]
+        """Flow runs of `run`'s eval points, oldest first (`pinned_eval.inflight` defines which)."""
+        body = point_runs_filter(run, self.flow_name)
+        runs = [_point_run(r) for r in self._filter(body) if is_point_of(r.get("parameters"), run)]
         return sorted(runs, key=lambda r: (r.created, r.id))
 
     def post_events(self, events: list[dict[str, Any]]) -> httpx.Response:

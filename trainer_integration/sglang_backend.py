@@ -43,7 +43,8 @@ from pinned_eval.fleet.errors import (
 from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
 from pinned_eval.fleet.launcher import cpu_engine_specs
 from pinned_eval.fleet.models import EngineInfo, normalize_path, normalize_url
-from pinned_eval.fleet.process import (
+from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
+from pinned_eval.processes import (
     LaunchError,
     ProcessRecord,
     ProcessSpec,
@@ -53,7 +54,6 @@ from pinned_eval.fleet.process import (
     start_process,
     stop_process,
 )
-from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
 from pinned_eval.scoring.metrics import ScoredSample
 from pinned_eval.scoring.rewards import get_reward
 from pinned_eval.settings import Settings

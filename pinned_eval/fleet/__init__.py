@@ -31,8 +31,8 @@ from pinned_eval.fleet.models import (
     PinResult,
     SamplingParams,
 )
-from pinned_eval.fleet.process import LaunchError
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec
+from pinned_eval.processes import LaunchError
 
 __all__ = [
     "EngineHTTPError",

@@ -23,8 +23,10 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, Field
 
+from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
 from pinned_eval.fleet.models import normalize_url
-from pinned_eval.fleet.process import (
+from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
+from pinned_eval.processes import (
     LaunchError,
     ProcessRecord,
     ProcessSpec,
@@ -33,9 +35,9 @@ from pinned_eval.fleet.process import (
     start_process,
     stop_process,
     stop_processes,
+    wait_healthy,
     wait_http_ok,
 )
-from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
 from pinned_eval.settings import Settings
 
 STATE_FORMAT = 1
@@ -65,13 +67,11 @@ def cpu_engine_specs(
     threads_per_engine: int | None = None,
     python: str = sys.executable,
 ) -> list[ProcessSpec]:
-    """`pinned-eval engine serve` (the bundled CPU engine) commands, one free port each."""
-    from engine.launch import EngineArgs, engine_command
-
+    """`python -m engine` (the bundled CPU engine) commands, one free port each."""
     threads = threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     specs = []
     for _ in range(n_engines):
-        args = EngineArgs(
+        args = CpuEngineArgs(
             model_path=str(model_path),
             port=free_port(),
             weight_version=weight_version or "default",
@@ -80,7 +80,7 @@ def cpu_engine_specs(
             threads=threads,
         )
         env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        specs.append(ProcessSpec(role="engine", command=engine_command(args, python), env=env, port=args.port))
+        specs.append(engine_spec(args, python=python, env=env).model_copy(update={"health_path": "/health"}))
     return specs
 
 
@@ -190,27 +190,26 @@ class LaunchedFleet:
 
 
 def _wait_router_members(router: ProcessRecord, urls: list[str], timeout_s: float, headers: dict[str, str]) -> None:
-    deadline = time.monotonic() + timeout_s
     wanted = {normalize_url(u) for u in urls}
     last = "no answer"
     with httpx.Client(timeout=10.0) as http:
-        while True:
-            if not is_running(router):
-                raise LaunchError(f"router exited; log {router.log_path}")
+
+        def all_listed() -> bool:
+            nonlocal last
             try:
                 resp = http.get(f"{router.url}/workers", headers=headers)
-                if resp.status_code == 200:
-                    healthy = {normalize_url(w["url"]) for w in resp.json()["workers"] if w.get("is_healthy")}
-                    if wanted <= healthy:
-                        return
-                    last = f"healthy {sorted(healthy)}"
-                else:
-                    last = f"HTTP {resp.status_code}"
             except httpx.TransportError as exc:
                 last = repr(exc)
-            if time.monotonic() >= deadline:
-                raise LaunchError(f"router {router.url} never listed {sorted(wanted)} healthy: {last}")
-            time.sleep(0.2)
+                return False
+            if resp.status_code != 200:
+                last = f"HTTP {resp.status_code}"
+                return False
+            healthy = {normalize_url(w["url"]) for w in resp.json()["workers"] if w.get("is_healthy")}
+            last = f"healthy {sorted(healthy)}"
+            return wanted <= healthy
+
+        what = lambda: f"router {router.url} listing {sorted(wanted)} ({last})"  # noqa: E731
+        wait_healthy(router, all_listed, timeout_s=timeout_s, what=what)
 
 
 def launch_fleet(

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pinned_eval.fleet.process import ProcessSpec
+from pinned_eval.processes import ProcessSpec
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Two entry points, one converter (`mcore_names.MegatronToHf`) and one writer (`write_snapshot`):
 - `export_live_model(model, base_hf_dir, dest)` — collective, inside a training job: every rank
   calls it; tensor-parallel shards are all-gathered (fc1 regrouped as SwiGLU [gate; up]), global
-  rank 0 of `group` converts and writes (protocol in `trainer_integration.export`).
+  rank 0 of `group` converts and writes (protocol in `pinned_eval.snapshot.collective`).
 - `export_megatron_checkpoint(ckpt_dir, hf_base_dir, dest)` — offline, one process, no model and
   no megatron import: streams a `torch_dist` checkpoint one layer at a time (`mcore_checkpoint`).
 
@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from pinned_eval.snapshot.collective import DEFAULT_BUCKET_BYTES, ExportResult, collective_export, merge_partitions
 from pinned_eval.snapshot.layout import resolve
 from pinned_eval.snapshot.mcore_checkpoint import TorchDistReader
 from pinned_eval.snapshot.mcore_names import DenseLayout, MegatronToHf, plan_conversion
 from pinned_eval.snapshot.writer import TensorSpec, WriteResult, write_snapshot
-
-if TYPE_CHECKING:
-    from trainer_integration.export import ExportResult
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
@@ -94,8 +92,6 @@ def _unwrap(model: Any) -> torch.nn.Module:
 
 
 def _megatron_merge(name: str, shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
-    from trainer_integration.export import merge_partitions
-
     # Every rank holds [gate_r; up_r] of the SwiGLU fc1, whether or not its megatron-core version
     # marks the parameter with partition_stride=2 (0.16 does, older releases did not).
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
@@ -117,14 +113,12 @@ def export_live_model(
     metadata: dict[str, Any] | None = None,
 ) -> ExportResult:
     """Collective: every rank of `group` (default: world) calls this with its `GPTModel` (or a
-    one-element list / DDP-wrapped model). Returns `trainer_integration.export.ExportResult` on
+    one-element list / DDP-wrapped model). Returns `pinned_eval.snapshot.collective.ExportResult` on
     every rank; raises on global rank 0 of `group` if it failed (the others then get ok=False).
 
     `tp_group` defaults to megatron's tensor-parallel group. Only rank 0 reads `base_hf_dir`.
     Checks that fail identically on every rank (layout, parallel state) raise before any collective.
     """
-    from trainer_integration.export import DEFAULT_BUCKET_BYTES, collective_export
-
     inner = _unwrap(model)
     if not getattr(inner.config, "gated_linear_unit", False):
         raise NotImplementedError("live export supports SwiGLU (gated_linear_unit=True) models only")

@@ -3,7 +3,7 @@
 - `tiny_model_dir` (session): a tiny Llama snapshot written by `engine.tiny_model.make_tiny_model`.
 - `start_engine` (function): `start_engine(model_path, port=None, weight_version="default",
   extra_args=(), api_key=None, admin_api_key=None) -> EngineProcess`; starts
-  `pinned-eval engine serve` on 127.0.0.1, waits for `/health_generate` 200, and kills every
+  `python -m engine` on 127.0.0.1, waits for `/health_generate` 200, and kills every
   engine it started by PID at teardown. `EngineStarter` is the same thing for wider scopes.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.launch import EngineArgs, EngineProcess, spawn_engine
+from pinned_eval.fleet.cpu_engine import CpuEngineArgs, EngineProcess, spawn_engine
 from tests.conftest import free_port
 
 
@@ -36,7 +36,7 @@ class EngineStarter:
         ready_timeout: float = 120.0,
     ) -> EngineProcess:
         port = port or free_port()
-        args = EngineArgs(
+        args = CpuEngineArgs(
             model_path=str(model_path),
             port=port,
             weight_version=weight_version,

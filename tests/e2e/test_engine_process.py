@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.launch import EngineProcess
 from engine.tiny_model import perturb_snapshot
+from pinned_eval.fleet.cpu_engine import EngineProcess
 from tests.e2e.conftest import EngineStarter
 
 pytestmark = pytest.mark.e2e
@@ -170,7 +170,7 @@ def test_sigterm_stops_the_engine(start_engine: EngineStarter, tiny_model_dir: P
 def test_tiny_model_cli_writes_a_loadable_snapshot(tmp_path: Path) -> None:
     out = tmp_path / "tm"
     done = subprocess.run(
-        [sys.executable, "-m", "pinned_eval.cli", "tiny-model", "--out", str(out), "--arch", "qwen3", "--seed", "4"],
+        [sys.executable, "-m", "app.cli", "tiny-model", "--out", str(out), "--arch", "qwen3", "--seed", "4"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -105,8 +105,8 @@ def concurrent(on_stack: list[str], tmp_path_factory: pytest.TempPathFactory) ->
 
 def _stop_leftovers(run_dir: Path) -> None:
     """Safety net for a self-contained run that was killed: stop what its state files record."""
+    from app.stack import LocalStack
     from pinned_eval.fleet.launcher import LaunchedFleet
-    from pinned_eval.stack import LocalStack
 
     if (run_dir / "fleet" / "fleet.json").exists():
         LaunchedFleet.load(run_dir / "fleet" / "fleet.json").stop()
@@ -174,7 +174,7 @@ def test_self_contained_run_starts_and_stops_its_own_stack(concurrent: dict[str,
     assert_measured_at_step(points[2], 2)
     import httpx
 
-    from pinned_eval.stack import LocalStack
+    from app.stack import LocalStack
 
     [ui] = re.findall(r"Prefect UI (http://127\.0\.0\.1:\d+)", stdout)
     with pytest.raises(httpx.TransportError):

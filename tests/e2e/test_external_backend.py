@@ -12,8 +12,8 @@ import pytest
 from prefect import flow, get_client
 from prefect.states import Completed
 
-from engine.launch import EngineProcess
-from pinned_eval.fleet.process import is_running
+from pinned_eval.fleet.cpu_engine import EngineProcess
+from pinned_eval.processes import is_running
 from pinned_eval.skips import EvalSkipped, skip_metric
 from tasks.external import evaluate_external
 from tests.e2e.conftest import EngineStarter

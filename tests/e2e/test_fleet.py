@@ -154,7 +154,7 @@ async def test_a_response_from_another_version_is_refused(fleet: LaunchedFleet, 
 
 def test_fleet_up_and_down_from_separate_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
     state = tmp_path / "cli-fleet.json"
-    cli = [sys.executable, "-m", "pinned_eval.cli", "fleet"]
+    cli = [sys.executable, "-m", "app.cli", "fleet"]
     up = subprocess.run(
         [
             *cli,

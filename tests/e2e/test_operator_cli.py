@@ -21,11 +21,11 @@ from prefect import get_client
 from prefect.states import Failed
 from typer.testing import CliRunner
 
+from app.cli import app
 from blocks import FleetBlock, StagingBlock
 from flows.eval_point import eval_point
 from flows.janitor import last_activity
-from pinned_eval.cli import app
-from pinned_eval.history import point_flow_runs
+from flows.point_runs import point_flow_runs
 from pinned_eval.sinks import JsonlSink
 from tests.deploykit import REPO, Deployed, wait_for
 from tests.pointkit import SMALL_SUITE, CpuFleet, PointEnv, save_point_blocks, write_step_snapshot

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from app.prefect_server import start_server, stop_server
 from pinned_eval.points import EVENT_REQUESTED, Posture, SnapshotSource
-from pinned_eval.prefect_server import start_server, stop_server
 from tests.conftest import free_port
 from tests.deploykit import wait_for
 from trainer_integration.client import EvalClient

@@ -234,7 +234,7 @@ def test_materialize_cache_is_bounded(env: Env) -> None:
 def test_cli_on_s3_with_aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # noqa: F811
     from typer.testing import CliRunner
 
-    from pinned_eval.cli import app
+    from app.cli import app
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")

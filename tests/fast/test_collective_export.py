@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from pinned_eval.snapshot.collective import CollectiveExportError, collective_export, merge_partitions
 from tests.conftest import free_port
-from trainer_integration.export import CollectiveExportError, collective_export, merge_partitions
 
 pytestmark = pytest.mark.timeout(120)
 JOB_DEADLINE_S = 90

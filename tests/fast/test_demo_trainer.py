@@ -8,9 +8,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from app.demo import tasks
+from app.demo.trainer import DemoConfig, DemoTrainer
 from engine.tiny_model import make_tiny_model
-from pinned_eval.demo import tasks
-from pinned_eval.demo.trainer import DemoConfig, DemoTrainer
 from pinned_eval.snapshot.check import check_snapshot
 
 

@@ -220,11 +220,11 @@ def test_sglang_launch_builds_real_command_on_named_gpus() -> None:
 def test_cpu_launch_builds_the_bundled_engine_command_and_runs_it() -> None:
     cfg = SGLangBackendConfig(launch="cpu", model_path="/base", port=4321, extra_args=["--max-batch-size", "8"])
     spec = launch_spec(cfg)
-    assert spec.command[1:5] == ["-m", "pinned_eval.cli", "engine", "serve"]
+    assert spec.command[1:3] == ["-m", "engine"]
     assert spec.command[spec.command.index("--port") + 1] == "4321" and spec.port == 4321
     assert spec.command[-2:] == ["--max-batch-size", "8"]
     # the argv is one the engine CLI accepts
-    help_run = subprocess.run([sys.executable, *spec.command[1:5], "--help"], capture_output=True, text=True)
+    help_run = subprocess.run([sys.executable, *spec.command[1:3], "--help"], capture_output=True, text=True)
     assert help_run.returncode == 0 and "--model-path" in help_run.stdout
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import psutil
 import pytest
 
 from pinned_eval.fleet.launcher import FleetState, LaunchedFleet, launch_fleet
-from pinned_eval.fleet.process import (
+from pinned_eval.processes import (
     LaunchError,
     ProcessSpec,
     free_port,
@@ -101,3 +102,20 @@ def test_state_file_round_trip_is_private_and_revives_by_record(tmp_path: Path) 
         assert not state_file.exists() and not is_running(record)
     finally:
         stop_process(record, grace_s=1)
+
+
+def test_cpu_engine_command_matches_the_engine_cli() -> None:
+    """The launcher builds `python -m engine ...` without importing `engine`; both sides agree."""
+    from engine.launch import EngineArgs
+    from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_command
+
+    assert CpuEngineArgs.model_fields.keys() == EngineArgs.model_fields.keys()
+    args = CpuEngineArgs(model_path="/m", port=4321, api_key="k", context_length=64, threads=2)
+    cmd = engine_command(args, python="/py", extra_args=["--max-batch-size", "8"])
+    assert cmd[:3] == ["/py", "-m", "engine"] and cmd[-2:] == ["--max-batch-size", "8"]
+    env = {**os.environ, "COLUMNS": "200"}
+    help_text = subprocess.run(
+        [sys.executable, "-m", "engine", "--help"], capture_output=True, text=True, timeout=120, env=env
+    ).stdout
+    for flag in (a for a in cmd[3:] if a.startswith("--")):
+        assert flag in help_text, flag

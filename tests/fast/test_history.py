@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from pinned_eval.history import FlowRunRecord, build_history
+from app.history import FlowRunRecord, build_history
 from pinned_eval.points import outcome_of, reason_of
 from pinned_eval.sinks import MetricRow
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from PIL import Image
 
-from pinned_eval.history import Attempt, PointHistory, RunHistory
-from pinned_eval.report import format_table, html_report, plot_history, status_rows, write_report
+from app.history import Attempt, PointHistory, RunHistory
+from app.report import format_table, html_report, plot_history, status_rows, write_report
 
 
 def _attempt(n: int, kind: str, name: str) -> Attempt:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from pinned_eval.cli import app
+from app.cli import app
 from pinned_eval.snapshot.check import check_snapshot
 from pinned_eval.snapshot.state_dict import StateDictMismatchError, export_state_dict
 from tests.snapshot_fixtures import logits, perturbed_state_dict, tiny_hf_base

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.prefect_server import env_set, free_port, start_server, stop_server, use_server
 from bench.burst import (
     LocalPostgres,
     PostgresUnavailableError,
@@ -36,7 +37,6 @@ from bench.burst import (
 )
 from blocks import FleetBlock
 from pinned_eval.events import BlockNames
-from pinned_eval.prefect_server import env_set, free_port, start_server, stop_server, use_server
 from tests.deploykit import REPO, prefect_cli, wait_for
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks
 from trainer_integration.client import EvalClient

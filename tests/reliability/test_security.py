@@ -19,10 +19,10 @@ import psutil
 import pytest
 from pydantic import SecretStr
 
+from app.prefect_server import free_port, server_env, start_server, stop_server
 from blocks import FleetBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.fleet.launcher import LaunchedFleet, launch_cpu_fleet
-from pinned_eval.prefect_server import free_port, server_env, start_server, stop_server
 from pinned_eval.settings import PrefectApiSettings
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.staging import Staging
@@ -179,7 +179,7 @@ def test_flow_and_cli_work_with_the_auth_string_and_fail_clearly_without(auth_se
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-3000:]
     assert "STATE Skipped ckpt_missing" in ok.stdout, ok.stdout[-2000:]
 
-    cli = [sys.executable, "-m", "pinned_eval.cli", "status", "--run", run, "--json"]
+    cli = [sys.executable, "-m", "app.cli", "status", "--run", run, "--json"]
     status = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=dict(env, PREFECT_API_AUTH_STRING=AUTH))
     assert status.returncode == 0, status.stdout + status.stderr

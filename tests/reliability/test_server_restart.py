@@ -4,7 +4,7 @@ Extends tests/e2e/test_spool_delivery.py (outage between requests, same port and
 restart lands mid-run — a process holds the run's in-flight slot and the fleet lock (the
 product's own `admitted`/`fleet_lock`) across the restart, and the trainer sends requests just
 before, during and after the outage. Guarantees: with filesystem lease storage (set by
-`pinned_eval.prefect_server`) no slot leaks — the holder's release after the restart frees both
+`app.prefect_server`) no slot leaks — the holder's release after the restart frees both
 — and every request becomes exactly one flow run.
 """
 

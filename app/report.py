@@ -15,7 +15,7 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pinned_eval.history import PointHistory, RunHistory
+from app.history import PointHistory, RunHistory
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

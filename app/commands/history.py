@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from pinned_eval.commands.points import RunOpt, fail, prefect_client
+from app.commands.points import RunOpt, fail, prefect_client
 
 
 def status(
@@ -21,8 +21,8 @@ def status(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every attempt of every step.")] = False,
 ) -> None:
     """Table of a run's steps: state, reason, score per dataset, weight version, lag, attempts."""
-    from pinned_eval.history import read_history
-    from pinned_eval.report import attempts_lines, format_table, status_rows
+    from app.history import read_history
+    from app.report import attempts_lines, format_table, status_rows
 
     with prefect_client() as client:
         history = read_history(run, client=client)
@@ -46,8 +46,8 @@ def report(
     out: Annotated[Path, typer.Option("--out", help="FILE.png or FILE.html (PNG embedded + table).")],
 ) -> None:
     """Plot score per dataset vs step; skipped and failed steps are marked with their reason."""
-    from pinned_eval.history import read_history
-    from pinned_eval.report import write_report
+    from app.history import read_history
+    from app.report import write_report
 
     if out.suffix.lower() not in (".png", ".html", ".htm"):
         fail(f"--out: {out.name!r} must end in .png or .html", 2)

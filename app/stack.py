@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
-from pinned_eval.prefect_server import ServerProcess, free_port, process_alive, start_server, stop_group, stop_server
+from app.prefect_server import ServerProcess, start_server, stop_server
+from pinned_eval.processes import ProcessSpec, free_port, pid_alive, start_process, stop_groups
 
 WORK_POOL = "pinned-eval"
 
@@ -96,25 +97,27 @@ class LocalStack:
 
     def worker_up(self, *, query_seconds: int = 2) -> int:
         st = self.state()
-        if st.worker_pid and process_alive(st.worker_pid):
+        if st.worker_pid and pid_alive(st.worker_pid):
             return st.worker_pid
         env = dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
                    PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds))  # fmt: skip
-        with open(self.home / "worker.log", "a") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
-                cwd=project_dir(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        self._save(st.model_copy(update={"worker_pid": proc.pid}))
-        return proc.pid
+        spec = ProcessSpec(
+            role="worker",
+            command=[sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+            env=env,
+            cwd=str(project_dir()),
+        )
+        record, _ = start_process(spec, self.home / "worker.log")
+        self._save(st.model_copy(update={"worker_pid": record.pid}))
+        return record.pid
 
     def down(self) -> list[str]:
         """Stop the worker, then the server; returns what was stopped."""
         st, stopped = self.state(), []
-        if st.worker_pid and process_alive(st.worker_pid):
-            stop_group(st.worker_pid, timeout_s=30)
+        if st.worker_pid and pid_alive(st.worker_pid):
+            stop_groups([st.worker_pid], grace_s=30)
             stopped.append(f"worker {st.worker_pid}")
-        if st.server_pid and process_alive(st.server_pid):
+        if st.server_pid and pid_alive(st.server_pid):
             stop_server(st.server_pid)
             stopped.append(f"server {st.server_pid}")
         self._save(StackState(prefect_home=st.prefect_home))

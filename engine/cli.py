@@ -1,4 +1,5 @@
-"""`pinned-eval engine serve` and `pinned-eval tiny-model` (owned by the engine work).
+"""The engine's command line: `python -m engine` (= `serve`), also mounted by the app as
+`pinned-eval engine serve` and `pinned-eval tiny-model`.
 
 Both verbs import torch/transformers lazily so `pinned-eval --help` stays fast. Exit codes:
 0 success, 1 the engine failed, 2 bad usage (typer).

@@ -1,4 +1,4 @@
-"""`pinned-eval demo`: the whole product on one machine (see `pinned_eval.demo.run`).
+"""`pinned-eval demo`: the whole product on one machine (see `app.demo.run`).
 
 Exit codes: 0 the demo ran; 1 it failed (everything it started is stopped either way).
 """
@@ -19,7 +19,7 @@ def demo(
     exit_after: Annotated[bool, typer.Option("--exit", help="Stop everything after printing the table.")] = False,
 ) -> None:
     """Train a tiny model on CPU and evaluate it every few steps, one Prefect flow run per point."""
-    from pinned_eval.demo.run import DemoOptions, run_demo
+    from app.demo.run import DemoOptions, run_demo
 
     run_demo(DemoOptions(steps=steps, warmup_steps=warmup_steps, eval_every=eval_every, policy=policy,
                          port=port, exit_after=exit_after))  # fmt: skip

@@ -9,23 +9,13 @@ a waiting point sleeps between slot retries.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pinned_eval.processes import LaunchError, ProcessSpec, free_port, start_process, stop_groups, wait_http_ok
 
 
 def server_env(home: Path, port: int, *, slot_wait_s: int = 2) -> dict[str, str]:
@@ -54,66 +44,29 @@ class ServerProcess:
 
 
 def start_server(home: Path, port: int | None = None, *, timeout_s: float = 120.0) -> ServerProcess:
-    """Start `prefect server start` in its own session; return once `/api/health` answers 200."""
+    """Start `prefect server start` in its own process group; return once `/api/health` answers 200
+    (`LaunchError` with the log tail, after stopping it, if it exits or times out first)."""
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    env = server_env(home, port)
-    with open(home / "server.log", "a") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = ServerProcess(proc.pid, env["PREFECT_API_URL"], home)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {home / 'server.log'}")
-        try:
-            if httpx.get(f"{server.api_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(server.pid)
-            raise TimeoutError(f"prefect server not healthy after {timeout_s}s; see {home / 'server.log'}")
-        time.sleep(0.5)
-
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs. An exited child of this process is reaped first (a zombie is not alive)."""
+    spec = ProcessSpec(
+        role="prefect-server",
+        command=[sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=server_env(home, port),
+        port=port,
+        health_path="/api/health",
+    )
+    record, proc = start_process(spec, home / "server.log")
     try:
-        reaped, _ = os.waitpid(pid, os.WNOHANG)
-        if reaped == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child: its parent reaps it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def stop_group(pid: int, *, timeout_s: float = 15.0) -> None:
-    """Stop the process group led by `pid`: SIGTERM, wait for the leader, then SIGKILL what is left."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process_alive(pid):
-        time.sleep(0.2)
-    with suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)  # stragglers of the group (or a leader past its timeout)
-    process_alive(pid)  # reap
+        wait_http_ok(record, timeout_s=timeout_s, popen=proc)
+    except LaunchError:
+        stop_server(record.pid)
+        raise
+    return ServerProcess(record.pid, f"{spec.url}/api", home)
 
 
 def stop_server(pid: int, *, timeout_s: float = 15.0) -> None:
     """Stop the server's whole process group (SIGTERM, then SIGKILL)."""
-    stop_group(pid, timeout_s=timeout_s)
+    stop_groups([pid], grace_s=timeout_s)
 
 
 @contextmanager

@@ -66,8 +66,8 @@ class _Started:
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict[str, object]]:
     """Run the demo; returns the per-step table rows (also printed)."""
-    from pinned_eval.prefect_server import use_server
-    from pinned_eval.stack import LocalStack
+    from app.prefect_server import use_server
+    from app.stack import LocalStack
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # quiet transformers in every child too
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -123,7 +123,7 @@ def _save_blocks(home: Path, base: Path) -> FleetBlock:
 def _train_and_evaluate(
     opts: DemoOptions, home: Path, base: Path, api_url: str, say: Callable[[str], None]
 ) -> list[dict[str, object]]:
-    from pinned_eval.demo.trainer import DemoConfig, DemoTrainer
+    from app.demo.trainer import DemoConfig, DemoTrainer
     from pinned_eval.points import SnapshotSource, SourceKind
     from trainer_integration.client import EvalClient
 

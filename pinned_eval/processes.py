@@ -1,4 +1,7 @@
-"""Start and stop fleet processes: each in its own process group, logs to a file, killed by PID.
+"""The one process manager: spawn (own process group, log file), wait until healthy, stop by group.
+
+Used by the fleet launcher, the CPU engine launcher (`fleet.cpu_engine`), the external SGLang
+backend and the app's Prefect server and worker.
 
 Invariants:
 - Every process starts with `start_new_session=True`, so its PID is its process-group id and
@@ -17,6 +20,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -24,9 +28,11 @@ import httpx
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
+from pinned_eval.polling import PollTimeout, poll_until
+
 
 class LaunchError(RuntimeError):
-    """A fleet process did not start, exited early, or never became healthy."""
+    """A managed process did not start, exited early, never became healthy, or survived SIGKILL."""
 
 
 class ProcessSpec(BaseModel):
@@ -34,12 +40,13 @@ class ProcessSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    role: Literal["engine", "router"]
+    role: Literal["engine", "router", "prefect-server", "worker"]
     command: list[str] = Field(min_length=1)
     env: dict[str, str] = Field(default_factory=dict, description="Added on top of the launcher's environment.")
-    port: int = Field(gt=0, lt=65536)
+    port: int = Field(default=0, ge=0, lt=65536, description="0: the process serves nothing (a worker).")
     host: str = "127.0.0.1"
     health_path: str = "/health"
+    cwd: str | None = Field(default=None, description="Working directory (default: the launcher's).")
 
     @property
     def url(self) -> str:
@@ -78,6 +85,7 @@ def start_process(spec: ProcessSpec, log_path: Path) -> tuple[ProcessRecord, sub
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            cwd=spec.cwd,
         )
     try:
         created = psutil.Process(proc.pid).create_time()
@@ -124,21 +132,44 @@ def _ours(record: ProcessRecord) -> bool:
 
 def stop_processes(records: list[ProcessRecord], *, grace_s: float = 10.0) -> None:
     """SIGTERM every record's process group at once, SIGKILL survivors after `grace_s`."""
-    groups = {r.pid: r for r in records if _ours(r)}
+    stop_groups([r.pid for r in records if _ours(r)], grace_s=grace_s)
+
+
+def stop_groups(pgids: list[int], *, grace_s: float = 10.0) -> None:
+    """SIGTERM the process groups `pgids` (each led by a process this program started), SIGKILL
+    what is left after `grace_s`; `LaunchError` if a group survives SIGKILL."""
+    groups = set(pgids)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for pgid in list(groups):
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
-                groups.pop(pgid)
-        deadline = time.monotonic() + wait_s
-        while groups and time.monotonic() < deadline:
-            groups = {g: r for g, r in groups.items() if _group_alive(g)}
-            time.sleep(0.05)
-        groups = {g: r for g, r in groups.items() if _group_alive(g)}
+                groups.discard(pgid)
+
+        with contextlib.suppress(PollTimeout):
+            poll_until(lambda: not _prune(groups), timeout_s=wait_s, interval_s=0.05, what="process groups to exit")
         if not groups:
             return
     raise LaunchError(f"process groups {sorted(groups)} survived SIGKILL")
+
+
+def _prune(groups: set[int]) -> set[int]:
+    """Drop the groups that have no live process left; return what remains (the same set)."""
+    groups.intersection_update({g for g in groups if _group_alive(g)})
+    return groups
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs. An exited child of this process is reaped first (a zombie is not alive)."""
+    with contextlib.suppress(ChildProcessError):  # not our child: its parent reaps it
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+        if reaped == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def stop_process(record: ProcessRecord, *, grace_s: float = 10.0) -> None:
@@ -155,6 +186,32 @@ def log_tail(path: str | Path, n_bytes: int = 3000) -> str:
         return f"<no log: {exc}>"
 
 
+def wait_healthy(
+    record: ProcessRecord,
+    healthy: Callable[[], bool],
+    *,
+    timeout_s: float,
+    popen: subprocess.Popen[bytes] | None = None,
+    what: Callable[[], str] | None = None,
+) -> None:
+    """Poll `healthy()` until True; `LaunchError` (with the log tail) when the process exits first
+    or `timeout_s` passes. `what()` describes the last probe for the timeout message."""
+
+    def check() -> bool:
+        exited = popen.poll() is not None if popen is not None else not is_running(record)
+        if exited:
+            raise LaunchError(
+                f"{record.spec.role} on port {record.spec.port} exited before it was healthy; "
+                f"log {record.log_path}:\n{log_tail(record.log_path)}"
+            )
+        return healthy()
+
+    try:
+        poll_until(check, timeout_s=timeout_s, what=what or (lambda: f"{record.url} healthy"))
+    except PollTimeout as exc:
+        raise LaunchError(f"not healthy: {exc}; log {record.log_path}:\n{log_tail(record.log_path)}") from None
+
+
 def wait_http_ok(
     record: ProcessRecord,
     *,
@@ -165,26 +222,18 @@ def wait_http_ok(
 ) -> None:
     """Poll `GET url+path` until 200; `LaunchError` (with the log tail) on exit or timeout."""
     url = f"{record.url}{path or record.spec.health_path}"
-    deadline = time.monotonic() + timeout_s
     last = "no answer yet"
+
     with httpx.Client(timeout=10.0) as http:
-        while True:
-            exited = popen.poll() is not None if popen is not None else not is_running(record)
-            if exited:
-                raise LaunchError(
-                    f"{record.spec.role} on port {record.spec.port} exited before it was healthy; "
-                    f"log {record.log_path}:\n{log_tail(record.log_path)}"
-                )
+
+        def ok() -> bool:
+            nonlocal last
             try:
                 resp = http.get(url, headers=headers)
-                if resp.status_code == 200:
-                    return
-                last = f"HTTP {resp.status_code}"
             except httpx.TransportError as exc:
                 last = repr(exc)
-            if time.monotonic() >= deadline:
-                raise LaunchError(
-                    f"{url} not healthy after {timeout_s}s ({last}); log {record.log_path}:\n"
-                    f"{log_tail(record.log_path)}"
-                )
-            time.sleep(0.2)
+                return False
+            last = f"HTTP {resp.status_code}"
+            return resp.status_code == 200
+
+        wait_healthy(record, ok, timeout_s=timeout_s, popen=popen, what=lambda: f"{url} ({last})")

@@ -1,4 +1,5 @@
-"""The `pinned-eval` command line. Every verb lives in `pinned_eval/commands/<family>.py`.
+"""The `pinned-eval` command line. Every verb lives in `app/commands/<family>.py`;
+the engine's verbs come from `engine.cli` (the engine's own entry is `python -m engine`).
 
 Exit codes: 0 success; 1 the operation failed (message on stderr); 2 bad usage or input.
 Heavy imports (torch, transformers, prefect) happen inside the verbs, so `--help` is fast.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import typer
 
-from pinned_eval.commands import demo, engine, fleet, history, points, snapshot, stack
+from app.commands import demo, fleet, history, points, snapshot, stack
+from engine import cli as engine
 
 app = typer.Typer(
     name="pinned-eval",

@@ -33,8 +33,8 @@ from typing import Literal, cast
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pinned_eval.demo import tasks
-from pinned_eval.demo.rollouts import CyclingSource, PromptItem, RolloutWorker, sample
+from app.demo import tasks
+from app.demo.rollouts import CyclingSource, PromptItem, RolloutWorker, sample
 from pinned_eval.snapshot.writer import write_snapshot
 from trainer_integration.producer import ProducerConfig
 from trainer_integration.rollout_buffer import Sample, iter_samples

@@ -56,8 +56,8 @@ def up(
 ) -> None:
     """Start N engines and the router; print their URLs; return when ready (processes keep running)."""
     from pinned_eval.fleet.launcher import LaunchedFleet, launch_cpu_fleet, launch_sglang_fleet
-    from pinned_eval.fleet.process import LaunchError
     from pinned_eval.fleet.sglang_args import SGLangFleetSpec
+    from pinned_eval.processes import LaunchError
 
     if policy not in ("round_robin", "cache_aware", "random", "power_of_two"):
         raise typer.BadParameter(f"unknown policy {policy!r}", param_hint="--policy")
@@ -101,7 +101,7 @@ def up(
 def down(state_file: StateFileOpt = None) -> None:
     """Stop the fleet recorded in the state file (router and engines, by PID/process group)."""
     from pinned_eval.fleet.launcher import LaunchedFleet
-    from pinned_eval.fleet.process import LaunchError
+    from pinned_eval.processes import LaunchError
 
     path = _state_path(state_file)
     if not path.exists():

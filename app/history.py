@@ -1,9 +1,9 @@
 """The history of a training run's eval points, read back from Prefect (no CLI here).
 
-Sources: every `eval-point` flow run of the run (tagged `run:<run>`, plus not-yet-started runs,
-which carry only their parameters), each run's state history, and the metric rows — from the
-JSONL sink when the point's sinks block has a path, else from the per-point table artifact
-`eval-<run>-step-<step>`.
+Sources: every `eval-point` flow run of the run (`flows.point_runs`, as `pinned_eval.inflight`
+defines them: tagged `run:<run>`, plus runs not terminal yet, untagged ones included), each run's
+state history, and the metric rows — from the JSONL sink when the point's sinks block has a path,
+else from the per-point table artifact `eval-<run>-step-<step>`.
 
 Invariants:
 - one `PointHistory` per step; the latest flow run of the step (by creation time) decides its
@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flows.point_runs import point_flow_runs
+from pinned_eval.inflight import TERMINAL
 from pinned_eval.points import Outcome, history_artifact_key, outcome_of, reason_of
 from pinned_eval.sinks import MetricRow
 
@@ -30,9 +32,6 @@ if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.objects import FlowRun, State
 
-POINT_FLOW = "eval-point"
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
-RETRYABLE = frozenset({"FAILED", "CRASHED", "CANCELLED"})
 
 
 
@@ -214,37 +213,6 @@ def _point(run: str, step: int, runs: list[FlowRunRecord], rows: list[MetricRow]
 
 
 # ---- reading from Prefect ------------------------------------------------------------------------
-
-
-def point_flow_runs(client: SyncPrefectClient, run: str, *, page: int = 200) -> list[FlowRun]:
-    """Every eval-point flow run of `run`: tagged ones, and not-yet-started ones (untagged)."""
-    from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        FlowRunFilterTags,
-    )
-    from prefect.client.schemas.objects import StateType
-
-    flows = FlowFilter(name=FlowFilterName(any_=[POINT_FLOW]))
-    not_started = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING]))
-    found: dict[str, FlowRun] = {}
-    for frf in (
-        FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run}"])),
-        FlowRunFilter(state=not_started),
-    ):
-        offset = 0
-        while True:
-            batch = client.read_flow_runs(flow_filter=flows, flow_run_filter=frf, limit=page, offset=offset)
-            for fr in batch:
-                if fr.parameters.get("run") == run and "step" in fr.parameters:
-                    found[str(fr.id)] = fr
-            if len(batch) < page:
-                break
-            offset += page
-    return list(found.values())
 
 
 def _artifact_rows(run: str, step: int) -> list[MetricRow]:

@@ -28,7 +28,7 @@ import typer
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
 
-    from pinned_eval.history import FlowRunRecord
+    from app.history import FlowRunRecord
     from pinned_eval.points import SnapshotSource
 
 DEFAULT_DEPLOYMENT = "eval-point/eval-point"
@@ -82,7 +82,8 @@ def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
 
 def step_runs(client: SyncPrefectClient, run: str, step: int) -> list[FlowRunRecord]:
     """Every flow run of the point, oldest first."""
-    from pinned_eval.history import FlowRunRecord, point_flow_runs
+    from app.history import FlowRunRecord
+    from flows.point_runs import point_flow_runs
 
     records = [FlowRunRecord.from_prefect(fr) for fr in point_flow_runs(client, run)]
     return sorted((r for r in records if r.step == step), key=lambda r: r.created)
@@ -234,7 +235,7 @@ def rerun(
     """Run a finished point again: retry a failed one in place, re-trigger a skipped one."""
     from prefect.states import Scheduled
 
-    from pinned_eval.history import RETRYABLE, TERMINAL
+    from pinned_eval.inflight import RETRYABLE, TERMINAL
     from pinned_eval.points import flow_run_name, outcome_of
 
     name = flow_run_name(run, step)
