@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer_integration.external import CheckpointEvalFn, EvalInput, EvalResults, EvalSkip
+from pinned_eval.external import CheckpointEvalFn, EvalInput, EvalResults, EvalSkip
 
 
 class QuotaBackend(CheckpointEvalFn):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
 from blocks._meta import load_block
-from pinned_eval.points import RUN_PATTERN, Posture, SnapshotSource, flow_run_name
+from pinned_eval.points import PointRequest, Posture, SnapshotSource, flow_run_name
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
@@ -36,7 +36,8 @@ from tasks.snapshots import Snapshot, check_snapshot_task, export_snapshot, reti
 
 
 class PointConfig(BaseModel):
-    """The blocks a point uses, loaded once at flow start."""
+    """The blocks a point uses, loaded once at flow start (sinks and staging first, so a failure
+    loading the others is still recorded and the snapshot still retired)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
@@ -44,15 +45,6 @@ class PointConfig(BaseModel):
     fleet: FleetBlock
     staging: StagingBlock
     sinks: SinksBlock
-
-    @classmethod
-    def load(cls, suite: str, fleet: str, staging: str, sinks: str) -> PointConfig:
-        return cls(
-            suite=load_block(EvalSuiteBlock, suite),
-            fleet=load_block(FleetBlock, fleet),
-            staging=load_block(StagingBlock, staging),
-            sinks=load_block(SinksBlock, sinks),
-        )
 
 
 def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
@@ -94,13 +86,24 @@ def eval_point(
     `backend`/`backend_options`: the external posture's `CheckpointEvalFn` (dotted path) and its
     constructor keywords (no secrets: flow parameters are visible in the UI).
     """
-    _validate(run, step, source, posture, backend)
+    PointRequest(  # validates every parameter, naming the offending field, before anything runs
+        run=run, step=step, source=source, final=final, posture=posture, policy=policy,
+        max_in_flight=max_in_flight, export_time_seconds=export_time_seconds, backend=backend,
+        backend_options=backend_options,
+    )  # fmt: skip
     started = time.monotonic()
-    _tag_flow_run(run, step)
-    cfg = PointConfig.load(suite, fleet, staging, sinks)
-    store = cfg.staging.staging()
+    sinks_block: SinksBlock | None = None
+    store: Staging | None = None
     snapshot: Snapshot | None = None
-    try:
+    try:  # setup too: a failure from here on is recorded at the step and the snapshot retired
+        sinks_block = load_block(SinksBlock, sinks)
+        staging_block = load_block(StagingBlock, staging)
+        store = staging_block.staging()
+        _tag_flow_run(run, step)
+        cfg = PointConfig(
+            suite=load_block(EvalSuiteBlock, suite), fleet=load_block(FleetBlock, fleet),
+            staging=staging_block, sinks=sinks_block,
+        )  # fmt: skip
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
             datasets = cfg.suite.resolved()
             rows = load_datasets(datasets)
@@ -118,15 +121,18 @@ def eval_point(
             return Completed(message=f"measured {flow_run_name(run, step)}: {summary}")
     except EvalSkipped as skip:
         get_run_logger().warning("skipped %s: %s", flow_run_name(run, step), skip)
-        log_point(run, step, skip_rows(run, step, skip.reason, skip.message), cfg.sinks)
+        if sinks_block is not None:
+            log_point(run, step, skip_rows(run, step, skip.reason, skip.message), sinks_block)
         return Completed(name="Skipped", message=f"{skip.reason}: {skip.message}")
     except Exception as exc:
-        log_point(run, step, skip_rows(run, step, SkipReason.CRASHED, repr(exc), failed=True), cfg.sinks)
+        if sinks_block is not None:  # else the sinks block itself failed to load: nowhere to record
+            log_point(run, step, skip_rows(run, step, SkipReason.CRASHED, repr(exc), failed=True), sinks_block)
         raise
     finally:
-        snapshot = snapshot or _owned_but_not_adopted(source, store, run, step)
-        if snapshot is not None:
-            retire_snapshot(snapshot, store)
+        if store is not None:
+            snapshot = snapshot or _owned_but_not_adopted(source, store, run, step)
+            if snapshot is not None:
+                retire_snapshot(snapshot, store)
 
 
 def _measure(
@@ -171,16 +177,3 @@ def _tag_flow_run(run: str, step: int) -> None:
     with get_client(sync_client=True) as client:
         tags = sorted({*current.tags, f"run:{run}", f"step:{step}"})
         client.update_flow_run(current.id, tags=tags)
-
-
-def _validate(run: str, step: int, source: SnapshotSource | None, posture: Posture, backend: str | None) -> None:
-    import re
-
-    if not re.match(RUN_PATTERN, run):
-        raise ValueError(f"run: {run!r} must match {RUN_PATTERN}")
-    if step < 0:
-        raise ValueError(f"step: must be >= 0, got {step}")
-    if posture is not Posture.SHARED and source is None:
-        raise ValueError(f"source: the {posture.value} posture needs a snapshot source")
-    if posture is Posture.EXTERNAL and not backend:
-        raise ValueError("backend: the external posture needs a CheckpointEvalFn (module:Class)")

@@ -85,6 +85,8 @@ class PointRequest(BaseModel):
     def _source_needed(self) -> PointRequest:
         if self.source is None and self.posture is not Posture.SHARED:
             raise ValueError(f"source: the {self.posture.value!r} posture needs a snapshot source")
+        if self.posture is Posture.EXTERNAL and not self.backend:
+            raise ValueError("backend: the external posture needs a CheckpointEvalFn (module:Class)")
         return self
 
     @property

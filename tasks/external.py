@@ -9,7 +9,7 @@ Contract of `evaluate_external`:
 - a backend's `EvalSkip(reason)` becomes `EvalSkipped(reason)` (→ `eval/skipped_<reason>`), any
   other exception propagates (→ crashed);
 - a measured point publishes its per-sample results as the table artifact
-  `samples_artifact_key(run, step)` (rows from `trainer_integration.external.sample_rows`), which
+  `samples_artifact_key(run, step)` (rows from `pinned_eval.external.sample_rows`), which
   the miles adapter reads back. `record_point_samples` is usable by any posture.
 """
 
@@ -23,18 +23,17 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from pinned_eval.skips import EvalSkipped
-from pinned_eval.suite import EvalSuite
-from trainer_integration.external import (
+from pinned_eval.external import (
     DatasetResult,
     EvalInput,
-    EvalSkip,
     load_backend,
     results_to_metrics,
     run_backend,
     sample_rows,
     samples_artifact_key,
 )
+from pinned_eval.skips import EvalSkipped
+from pinned_eval.suite import EvalSuite
 
 
 def record_point_samples(run: str, step: int, data: dict[str, DatasetResult]) -> None:
@@ -62,7 +61,7 @@ def evaluate_external(
     try:
         results = asyncio.run(run_backend(fn, checkpoint_dir, eval_input))
         metrics = results_to_metrics(results, eval_input)
-    except EvalSkip as skip:
+    except EvalSkipped as skip:  # the backend's EvalSkip, or a fleet skip it let through
         raise EvalSkipped(skip.reason, skip.message) from skip
     finally:
         _dispose(fn, failing=sys.exc_info()[1] is not None)

@@ -21,13 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from blocks.fleet import FleetBlock
 from pinned_eval.fleet.client import FleetClient
-from pinned_eval.fleet.errors import (
-    FleetError,
-    GenerateRejected,
-    GenerationAborted,
-    WeightVersionMismatch,
-)
-from pinned_eval.skips import EvalSkipped, SkipReason
+from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
 
 
@@ -126,13 +120,5 @@ def generate(
     weight_version: str,
     rid_prefix: str,
 ) -> list[Generation]:
-    try:
+    with fleet_skips():  # pinned_eval.skip_mapping: other weights → pin_violation, a failing fleet → unhealthy
         return asyncio.run(_generate_all(fleet, datasets, rows, weight_version, rid_prefix))
-    except WeightVersionMismatch as exc:
-        raise EvalSkipped(SkipReason.PIN_VIOLATION, str(exc)) from exc
-    except GenerateRejected as exc:
-        if exc.status_code < 500:
-            raise
-        raise EvalSkipped(SkipReason.UNHEALTHY, str(exc)) from exc
-    except (GenerationAborted, FleetError) as exc:
-        raise EvalSkipped(SkipReason.UNHEALTHY, str(exc)) from exc

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from blocks.fleet import FleetBlock
-from pinned_eval.fleet.errors import FleetError
 from pinned_eval.fleet.models import PinResult
+from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.skips import EvalSkipped, SkipReason
 
 
@@ -27,10 +26,8 @@ def pin_fleet(fleet: FleetBlock, snapshot_dir: str, weight_version: str) -> PinR
         async with fleet.client() as client:
             return await client.pin(snapshot_dir, weight_version)
 
-    try:
+    with fleet_skips(f"fleet {fleet.name}"):  # router/transport trouble the client could not classify
         result = asyncio.run(pin())
-    except FleetError as exc:  # router/transport trouble the client could not classify further
-        raise EvalSkipped(SkipReason.UNHEALTHY, f"fleet {fleet.name}: {exc}") from exc
     get_run_logger().info(
         "pinned %d engines to %s in %.1fs (attempts %d, revived %s)",
         len(result.engines),
@@ -51,10 +48,8 @@ def verify_shared(fleet: FleetBlock, weight_version: str) -> list[str]:
             infos = await asyncio.gather(*(client.probe(u) for u in client.engine_urls))
             return {i.url: i.weight_version for i in infos}
 
-    try:
+    with fleet_skips(f"fleet {fleet.name}"):
         seen = asyncio.run(versions())
-    except (FleetError, httpx.TransportError) as exc:
-        raise EvalSkipped(SkipReason.UNHEALTHY, f"fleet {fleet.name}: {exc}") from exc
     wrong = {u: v for u, v in seen.items() if v != weight_version}
     if wrong:
         raise EvalSkipped(SkipReason.PIN_VIOLATION, f"expected version {weight_version}, engines report {wrong}")

@@ -13,12 +13,12 @@ from collections import defaultdict
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from pinned_eval.external import DatasetResult
 from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
 from pinned_eval.scoring.rewards import get_reward
 from pinned_eval.suite import EvalSuite, ResolvedDataset
 from tasks.external import record_point_samples
 from tasks.generate import Generation
-from trainer_integration.external import DatasetResult
 
 
 @task(cache_policy=NO_CACHE, task_run_name="score")

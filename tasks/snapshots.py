@@ -3,8 +3,9 @@
 Contract:
 - `export_snapshot` turns a `SnapshotSource` into a `Snapshot`: `hf` is reused as is (never
   owned, never deleted); `staged` is adopted (it must be this point's staging path); `megatron`
-  and `state_dict` are converted into `staging.path_for(run, step)`. Any export failure removes
-  what it wrote and raises `EvalSkipped(EXPORT_FAILED)`.
+  and `state_dict` are converted into `staging.path_for(run, step)`. A storage or converter
+  failure (`pinned_eval.snapshot.errors.EXPORT_ERRORS`) removes what it wrote and raises
+  `EvalSkipped(EXPORT_FAILED)`; any other error also removes it, then propagates (the point fails).
 - `check_snapshot_task` reads headers only and raises `EvalSkipped(CKPT_MISSING)` with the
   typed problem (missing marker, truncated shard, ...; a base checkpoint without a marker gets
   every structural check but the marker's); an S3 snapshot is then materialized
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pinned_eval.points import SnapshotSource, SourceKind
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.check import check_snapshot
+from pinned_eval.snapshot.errors import EXPORT_ERRORS
 from pinned_eval.snapshot.staging import RetireResult, Staging, StagingPathError
 
 
@@ -68,10 +70,13 @@ def export_snapshot(source: SnapshotSource, run: str, step: int, staging: Stagin
 
             assert source.hf_base is not None
             export_state_dict(source.path, source.hf_base, dest, storage_options=staging.storage_options)
-    except Exception as exc:  # the export boundary: any failure is this point's export_failed skip
+    except EXPORT_ERRORS as exc:  # storage or converter failure: this point's export_failed skip
         logger.exception("export of %s %s failed", source.kind, source.path)
         staging.delete(dest)
         raise EvalSkipped(SkipReason.EXPORT_FAILED, f"{source.kind} export failed: {exc}") from exc
+    except Exception:  # a bug or a bad configuration fails the point loudly, leaving nothing partial
+        staging.delete(dest)
+        raise
     seconds = time.monotonic() - started
     logger.info("exported %s %s to %s in %.2fs", source.kind, source.path, dest, seconds)
     return Snapshot(path=dest, owned=True, kind=source.kind, export_time_seconds=seconds)

@@ -9,11 +9,13 @@ Contract:
   exporting; `backpressure` waits for the oldest point. When the API is unreachable the point is
   admitted (the flow's own global concurrency limit still bounds it) and spooled.
 - an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
-  is timed as `export_time_seconds`; its failure removes the partial output and records
+  is timed as `export_time_seconds`; a storage or converter failure of it
+  (`pinned_eval.snapshot.errors.EXPORT_ERRORS`) removes the partial output and records
   `export_failed` at the step.
 - every request is written ahead to the durable spool and sent by a background thread, so the
   non-waiting call costs the loop one admission query plus one fsync; `dispatch` never raises
-  into training (failures are logged and become skip records). A step already requested or
+  into training for storage or API failures (logged, they become skip records); a programming or
+  configuration error (a bad argument, no `staging_root` for an in-loop export) raises. A step already requested or
   recorded is not requested again.
 - `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
   `eval/lag_steps` (latest value wins, sent in the background).
@@ -38,6 +40,7 @@ import httpx
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, progress_variable_name
 from pinned_eval.settings import PrefectApiSettings, get_settings
+from pinned_eval.snapshot.errors import EXPORT_ERRORS
 from trainer_integration.events import (
     SINKS_BLOCK_SLUG,
     Delivery,
@@ -52,6 +55,8 @@ from trainer_integration.spool import Deliverer, Spool, SpoolEntry
 log = logging.getLogger(__name__)
 
 Exporter = Callable[[int, str], object]
+# what `dispatch` turns into an `export_failed` record instead of raising into the training loop
+_INFRA_ERRORS: tuple[type[BaseException], ...] = (*EXPORT_ERRORS, ApiUnavailableError, httpx.HTTPError)
 
 
 class GateLike(Protocol):
@@ -222,7 +227,7 @@ class EvalClient:
     ) -> DispatchResult:
         try:
             return self._dispatch(step, source, final, export or self.exporter, posture, t0)
-        except Exception:
+        except _INFRA_ERRORS:  # storage or API trouble; a bug or a bad configuration raises
             log.exception("pinned-eval: dispatch of %s step %d failed; recorded as export_failed", self.run, step)
             self._record_skip(step, source, final, posture, "export_failed", "dispatch error (see trainer log)")
             return DispatchResult(
@@ -253,7 +258,7 @@ class EvalClient:
             e0 = time.monotonic()
             try:
                 export(step, dest)
-            except Exception as exc:
+            except EXPORT_ERRORS as exc:  # storage or converter failure; a bug in `export` raises
                 log.exception("pinned-eval: in-loop export of %s step %d failed", self.run, step)
                 self._staging.delete(dest)
                 self._record_skip(step, None, final, posture, "export_failed", f"in-loop export: {exc!r}"[:500])

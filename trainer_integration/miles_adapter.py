@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from pinned_eval.events import BlockNames
+from pinned_eval.external import DatasetResult, results_from_rows, samples_artifact_key
 from pinned_eval.inflight import in_flight
 from pinned_eval.points import (
     RUN_PATTERN,
@@ -49,7 +50,6 @@ from pinned_eval.points import (
     point_event_id,
 )
 from pinned_eval.settings import PrefectApiSettings
-from trainer_integration.external import DatasetResult, results_from_rows, samples_artifact_key
 from trainer_integration.rest import auth_headers
 
 try:  # pragma: no cover - only where miles is installed

@@ -8,12 +8,13 @@ come from `PINNED_EVAL_EXTERNAL_*` variables, like miles' `MILES_EXTERNAL_EVAL_*
   starts the bundled CPU engine. Launch happens in the constructor; the health wait is deferred to
   the first eval (miles: server load never blocks the caller).
 - `evaluate_checkpoint`: wait `GET /health_generate` (an attached server that never answers →
-  `EvalSkip("unhealthy")`; a launched one that exits → `LaunchError`, a crash), then pin: load
-  `update_weights_from_disk` with `weight_version`, read back `/model_info`; accept only
-  `weight_version == str(step)` and `model_path == checkpoint_dir`; 2 attempts, then
-  `EvalSkip("pin_violation")`. Then generate every dataset (n samples per prompt, deterministic
-  `sampling_seed`, abort finishes retried) and score with the suite's rewards. A response from
-  other weights → `pin_violation`; a server that stops serving → `unhealthy`.
+  `EvalSkip("unhealthy")`; a launched one that exits → `LaunchError`, a crash), then pin with the
+  fleet client's one pin-and-read-back (`FleetClient.pin`): load `update_weights_from_disk` with
+  `weight_version`, read back `/model_info`; accept only `weight_version == str(step)` and
+  `model_path == checkpoint_dir`; 2 attempts, then `EvalSkip("pin_violation")`. Then generate
+  every dataset (n samples per prompt, deterministic `sampling_seed`, abort finishes retried) and
+  score with the suite's rewards. Errors map to skips as `pinned_eval.skip_mapping` says: a
+  response from other weights → `pin_violation`; a server that stops serving → `unhealthy`.
 - `dispose()` stops the process group it launched (by recorded PID and start time), never an
   attached server. Idempotent.
 `history` records every pin attempt and generate count, for logs and tests.
@@ -25,7 +26,6 @@ import asyncio
 import os
 import shlex
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,17 +33,19 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pinned_eval.fleet.engine_api import EngineAPI
-from pinned_eval.fleet.errors import (
-    FleetError,
-    GenerateRejected,
-    GenerationAborted,
-    WeightVersionMismatch,
+from pinned_eval.external import (
+    CheckpointEvalFn,
+    DatasetResult,
+    EvalInput,
+    EvalResults,
+    EvalSkip,
 )
+from pinned_eval.fleet.client import FleetClient, FleetConfig
 from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
 from pinned_eval.fleet.launcher import cpu_engine_specs
-from pinned_eval.fleet.models import EngineInfo, normalize_path, normalize_url
+from pinned_eval.fleet.models import EngineCheck, EngineInfo, normalize_path, normalize_url
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
+from pinned_eval.polling import PollTimeout, apoll_until
 from pinned_eval.processes import (
     LaunchError,
     ProcessRecord,
@@ -57,15 +59,9 @@ from pinned_eval.processes import (
 from pinned_eval.scoring.metrics import ScoredSample
 from pinned_eval.scoring.rewards import get_reward
 from pinned_eval.settings import Settings
+from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.skips import SkipReason
 from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
-from trainer_integration.external import (
-    CheckpointEvalFn,
-    DatasetResult,
-    EvalInput,
-    EvalResults,
-    EvalSkip,
-)
 
 ENV_PREFIX = "PINNED_EVAL_EXTERNAL_"
 
@@ -198,7 +194,7 @@ class SGLangCheckpointEval(CheckpointEvalFn):
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=30.0)
         async with httpx.AsyncClient(timeout=timeout) as http:
             await self._wait_healthy(http)
-            await self._pin(http, checkpoint_dir, input.weight_version)
+            await self._pin(checkpoint_dir, input.weight_version)
             data = await self._generate_all(http, input)
         return EvalResults(data=data)
 
@@ -212,9 +208,10 @@ class SGLangCheckpointEval(CheckpointEvalFn):
     async def _wait_healthy(self, http: httpx.AsyncClient) -> None:
         if self._healthy:
             return
-        deadline = time.monotonic() + self.config.ready_timeout_s
         last = "no answer yet"
-        while True:
+
+        async def healthy() -> bool:
+            nonlocal last
             if self._process is not None and not is_running(self._process):
                 raise LaunchError(
                     f"launched server {self.url} exited; log {self._process.log_path}:\n"
@@ -222,52 +219,35 @@ class SGLangCheckpointEval(CheckpointEvalFn):
                 )
             try:
                 resp = await http.get(f"{self.url}/health_generate", timeout=30.0)
-                if resp.status_code == 200:
-                    self._healthy = True
-                    return
-                last = f"HTTP {resp.status_code}"
             except httpx.TransportError as exc:
                 last = repr(exc)
-            if time.monotonic() >= deadline:
-                raise EvalSkip(
-                    SkipReason.UNHEALTHY, f"{self.url} not healthy after {self.config.ready_timeout_s}s: {last}"
-                )
-            await asyncio.sleep(0.5)
+                return False
+            last = f"HTTP {resp.status_code}"
+            return resp.status_code == 200
 
-    async def _pin(self, http: httpx.AsyncClient, checkpoint_dir: str, version: str) -> EngineInfo:
-        api = EngineAPI(
-            http,
+        try:
+            await apoll_until(healthy, timeout_s=self.config.ready_timeout_s, interval_s=0.5, what=lambda: last)
+        except PollTimeout as exc:
+            raise EvalSkip(SkipReason.UNHEALTHY, f"{self.url} not healthy: {exc}") from None
+        self._healthy = True
+
+    async def _pin(self, checkpoint_dir: str, version: str) -> EngineInfo:
+        """The fleet client's pin-and-read-back on this one server (`pin_attempts` attempts)."""
+        config = FleetConfig(
             api_key=self.config.api_key,
             admin_api_key=self.config.admin_api_key,
             load_timeout_s=self.config.load_timeout_s,
+            pin_attempts=self.config.pin_attempts,
         )
-        path = normalize_path(checkpoint_dir)
-        for attempt in range(1, self.config.pin_attempts + 1):
-            load = await api.load(self.url, path, version)
-            info: EngineInfo | None = None
-            problems = [] if load.ok else [f"load failed ({load.error}): {load.message[:300]}"]
-            try:
-                info = await api.model_info(self.url)
-            except (httpx.TransportError, FleetError) as exc:
-                problems.append(f"read-back failed: {exc!r}")
-            if info is not None:
-                if info.weight_version != version:
-                    problems.append(f"reads back weight_version {info.weight_version!r}, expected {version!r}")
-                if normalize_path(info.model_path) != path:
-                    problems.append(f"reads back model_path {info.model_path!r}, expected {path!r}")
-            self.history.pins.append(
-                PinAttempt(
-                    attempt, load.ok, info.weight_version if info else None, info.model_path if info else None,
-                    "; ".join(problems),
-                )
-            )  # fmt: skip
-            if info is not None and not problems:
-                return info
-        raise EvalSkip(
-            SkipReason.PIN_VIOLATION,
-            f"{self.url}: version {version!r} from {path} not verified after {self.config.pin_attempts} "
-            f"attempts: {self.history.pins[-1].problem}",
-        )
+
+        def record(attempt: int, checks: list[EngineCheck]) -> None:
+            for c in checks:
+                self.history.pins.append(PinAttempt(attempt, c.load.ok, c.weight_version, c.model_path, c.problem))
+
+        async with FleetClient([self.url], config=config) as fleet:
+            with fleet_skips(self.url, as_type=EvalSkip):
+                result = await fleet.pin(checkpoint_dir, version, on_attempt=record)
+        return result.engines[0]
 
     # ---- generate and score ------------------------------------------------------------
 
@@ -280,16 +260,8 @@ class SGLangCheckpointEval(CheckpointEvalFn):
             abort_retries=self.config.abort_retries,
         )
         version = input.weight_version
-        try:
+        with fleet_skips(f"{self.url} pinned to {version}", as_type=EvalSkip):
             results = await asyncio.gather(*(self._dataset(gen, ds, input) for ds in input.datasets))
-        except WeightVersionMismatch as exc:
-            raise EvalSkip(SkipReason.PIN_VIOLATION, f"{self.url} pinned to {version}: {exc}") from exc
-        except GenerateRejected as exc:
-            if exc.status_code < 500:
-                raise
-            raise EvalSkip(SkipReason.UNHEALTHY, str(exc)) from exc
-        except (GenerationAborted, FleetError) as exc:
-            raise EvalSkip(SkipReason.UNHEALTHY, str(exc)) from exc
         return {ds.name: res for ds, res in zip(input.datasets, results, strict=True)}
 
     async def _dataset(self, gen: RouterGenerator, ds: ResolvedDataset, input: EvalInput) -> DatasetResult:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -293,8 +294,16 @@ class FleetClient:
 
     # ---- pin ---------------------------------------------------------------------------
 
-    async def pin(self, snapshot_path: str | Path, weight_version: str | int) -> PinResult:
-        """Load `snapshot_path` as `weight_version` on every engine and verify every engine."""
+    async def pin(
+        self,
+        snapshot_path: str | Path,
+        weight_version: str | int,
+        *,
+        on_attempt: Callable[[int, list[EngineCheck]], None] | None = None,
+    ) -> PinResult:
+        """Load `snapshot_path` as `weight_version` on every engine and verify every engine;
+        `on_attempt(attempt, checks)` sees every attempt's verdicts (the one pin-and-read-back,
+        also used by the external posture's reference backend)."""
         path, version = normalize_path(snapshot_path), str(weight_version)
         started = time.monotonic()
         self._pinned = None
@@ -304,6 +313,8 @@ class FleetClient:
             revived += await self.ensure_alive()
             loads = await asyncio.gather(*(self._load(u, path, version) for u in self._engines))
             checks = list(await asyncio.gather(*(self._verify(ld, path, version) for ld in loads)))
+            if on_attempt is not None:
+                on_attempt(attempt, checks)
             if all(c.ok for c in checks):
                 break
             log.warning(

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.writer import TensorSpec, write_snapshot
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -57,7 +58,7 @@ class ExportResult:
     error: str | None = None
 
 
-class CollectiveExportError(RuntimeError):
+class CollectiveExportError(ExportError, RuntimeError):
     """The ranks disagree on what to export (names, shapes or TP layout differ)."""
 
 

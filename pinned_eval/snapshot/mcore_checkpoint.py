@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from pinned_eval.snapshot.errors import ConversionError
 from pinned_eval.snapshot.mcore_names import MODEL_PREFIXES
 
 _STACKED = "decoder.layers."
@@ -110,7 +111,7 @@ class TorchDistReader:
         self.stacked = sorted(k for k in self.keys if k.startswith(_STACKED) and not _INDEXED.match(k))
         depths = {self.keys[k].size[0] for k in self.stacked}
         if len(depths) > 1:
-            raise ValueError(f"stacked layer keys disagree on the number of layers: {sorted(depths)}")
+            raise ConversionError(f"stacked layer keys disagree on the number of layers: {sorted(depths)}")
         self.num_layers = depths.pop() if depths else 0
         plain = [k for k in self.keys if k not in self.stacked]
         self.plain_first = sorted(k for k in plain if k.startswith("embedding."))
@@ -155,7 +156,7 @@ class TorchDistReader:
         plan = self._reader.prepare_local_plan(planner.create_local_plan())
         covered = sum(torch.Size(item.lengths).numel() for item in plan.items)
         if covered != out.numel():
-            raise ValueError(f"{self.path}: stored chunks of {key} cover {covered} of {out.numel()} elements")
+            raise ConversionError(f"{self.path}: stored chunks of {key} cover {covered} of {out.numel()} elements")
         self._reader.read_data(plan, planner).wait()
         return out
 

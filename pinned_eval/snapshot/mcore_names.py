@@ -27,6 +27,8 @@ from typing import Any, Literal, get_args
 import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, model_validator
 
+from pinned_eval.snapshot.errors import ConversionError, ExportError
+
 Family = Literal["llama", "qwen2", "qwen3"]
 FAMILIES: tuple[str, ...] = get_args(Family)
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
@@ -45,7 +47,7 @@ _SIMPLE = {
 }
 
 
-class UnmappedTensor(KeyError):
+class UnmappedTensor(ExportError, KeyError):
     """A Megatron model tensor this converter has no HF mapping for (never silently dropped)."""
 
 
@@ -70,11 +72,11 @@ class HfDenseConfig(BaseModel):
     def _heads_divide(self) -> HfDenseConfig:
         kv = self.num_key_value_heads or self.num_attention_heads
         if self.num_attention_heads % kv:
-            raise ValueError(
+            raise ConversionError(
                 f"num_key_value_heads={kv} must divide num_attention_heads={self.num_attention_heads}"
             )
         if self.mlp_bias:
-            raise ValueError("mlp_bias=True is not supported (Llama/Qwen dense MLPs have no bias)")
+            raise ConversionError("mlp_bias=True is not supported (Llama/Qwen dense MLPs have no bias)")
         return self
 
 
@@ -101,10 +103,10 @@ class DenseLayout:
         try:
             cfg = HfDenseConfig.model_validate(dict(config))
         except ValidationError as exc:
-            raise ValueError(f"HF config.json is not a dense Llama/Qwen config: {exc}") from exc
+            raise ConversionError(f"HF config.json is not a dense Llama/Qwen config: {exc}") from exc
         fam = family or cfg.model_type
         if fam not in FAMILIES:
-            raise ValueError(
+            raise ConversionError(
                 f"model_type={cfg.model_type!r} is not one of {FAMILIES}; pass family= to override"
             )
         return cls(
@@ -166,7 +168,7 @@ def split_qkv(fused: torch.Tensor, layout: DenseLayout) -> tuple[torch.Tensor, t
     g, d = layout.num_kv_heads, layout.head_dim
     r = layout.num_heads // g
     if fused.shape[0] != layout.qkv_rows:
-        raise ValueError(
+        raise ConversionError(
             f"linear_qkv has {fused.shape[0]} rows, expected (heads + 2·kv_heads)·head_dim = "
             f"{layout.qkv_rows}"
         )
@@ -189,7 +191,7 @@ class MegatronToHf:
 
     def _vocab(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if t.shape[0] < self.layout.vocab_size:
-            raise ValueError(
+            raise ConversionError(
                 f"{name} has {t.shape[0]} rows, fewer than HF vocab_size={self.layout.vocab_size}"
             )
         return t[: self.layout.vocab_size]
@@ -206,7 +208,7 @@ class MegatronToHf:
             return out
         if name == "output_layer.weight":
             if self.layout.tied:
-                raise ValueError(
+                raise ConversionError(
                     "HF config has tie_word_embeddings=true but the Megatron model has its own "
                     "output_layer.weight; set tie_word_embeddings=false in the base HF config"
                 )
@@ -225,7 +227,7 @@ class MegatronToHf:
             return [(prefix + f"self_attn.{n}_proj.{kind}", x) for n, x in zip("qkv", (q, k, v), strict=True)]
         if rest == "mlp.linear_fc1.weight":
             if t.shape[0] != 2 * self.layout.intermediate_size:
-                raise ValueError(
+                raise ConversionError(
                     f"{name} has {t.shape[0]} rows, expected 2·intermediate_size = "
                     f"{2 * self.layout.intermediate_size} (SwiGLU [gate; up])"
                 )
@@ -248,11 +250,11 @@ def plan_conversion(
         for hf_name, t in converter.convert(name, torch.empty(shape, dtype=dtype, device="meta")):
             if hf_name not in expected:
                 family = converter.layout.family
-                raise ValueError(f"{name} → {hf_name}, which the HF {family} config does not have")
+                raise ConversionError(f"{name} → {hf_name}, which the HF {family} config does not have")
             if hf_name in seen:
-                raise ValueError(f"{hf_name} is produced twice (from {seen[hf_name]} and {name})")
+                raise ConversionError(f"{hf_name} is produced twice (from {seen[hf_name]} and {name})")
             if tuple(t.shape) != expected[hf_name]:
-                raise ValueError(
+                raise ConversionError(
                     f"{name} → {hf_name} has shape {tuple(t.shape)}, "
                     f"the HF config expects {expected[hf_name]}"
                 )
@@ -260,5 +262,5 @@ def plan_conversion(
             out.append((hf_name, tuple(t.shape), t.dtype))
     missing = [n for n in expected if n not in seen]
     if missing:
-        raise ValueError(f"{len(missing)} HF tensors have no Megatron source, e.g. {missing[:3]}")
+        raise ConversionError(f"{len(missing)} HF tensors have no Megatron source, e.g. {missing[:3]}")
     return out

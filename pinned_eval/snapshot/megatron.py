@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pinned_eval.snapshot.collective import DEFAULT_BUCKET_BYTES, ExportResult, collective_export, merge_partitions
+from pinned_eval.snapshot.errors import ConversionError
 from pinned_eval.snapshot.layout import resolve
 from pinned_eval.snapshot.mcore_checkpoint import TorchDistReader
 from pinned_eval.snapshot.mcore_names import DenseLayout, MegatronToHf, plan_conversion
@@ -42,7 +43,7 @@ def read_hf_config(hf_base_dir: str, storage_options: dict[str, Any] | None = No
         raise FileNotFoundError(f"hf_base_dir {hf_base_dir!r} has no config.json")
     cfg = json.loads(fs.cat_file(path))
     if not isinstance(cfg, dict):
-        raise ValueError(f"{hf_base_dir}/config.json is not a JSON object")
+        raise ConversionError(f"{hf_base_dir}/config.json is not a JSON object")
     return cfg
 
 

@@ -36,6 +36,7 @@ from pinned_eval.points import RUN_PATTERN
 from pinned_eval.settings import get_settings
 from pinned_eval.snapshot import s3_upload
 from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
+from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, is_s3, join, resolve, to_url
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -46,7 +47,7 @@ class StagingPathError(ValueError):
     """A path given to staging lies outside its root (or is not a snapshot path of it)."""
 
 
-class SnapshotIncompleteError(RuntimeError):
+class SnapshotIncompleteError(ExportError, RuntimeError):
     """A snapshot failed its completeness check where a complete one is required."""
 
     def __init__(self, check: SnapshotCheck) -> None:

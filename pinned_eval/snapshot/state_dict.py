@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.writer import TensorSpec, WriteResult, write_snapshot
 
 _SAFETENSORS_DTYPES = {
@@ -28,7 +29,7 @@ _SAFETENSORS_DTYPES = {
 TORCH_SUFFIXES = (".pt", ".bin", ".pth")
 
 
-class StateDictMismatchError(ValueError):
+class StateDictMismatchError(ExportError, ValueError):
     """The state dict does not fit the base config's architecture (names the offending tensors)."""
 
 

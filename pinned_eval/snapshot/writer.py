@@ -42,6 +42,7 @@ import torch
 from fsspec import AbstractFileSystem
 
 from pinned_eval.snapshot import s3_upload
+from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.layout import (
     EXPORT_ID_KEY,
     INDEX,
@@ -67,7 +68,7 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 }
 
 
-class SnapshotWriteError(ValueError):
+class SnapshotWriteError(ExportError, ValueError):
     """The tensors handed to the writer do not match its plan (names the offending tensor)."""
 
 

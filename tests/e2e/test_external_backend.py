@@ -12,13 +12,7 @@ import pytest
 from prefect import flow, get_client
 from prefect.states import Completed
 
-from pinned_eval.fleet.cpu_engine import EngineProcess
-from pinned_eval.processes import is_running
-from pinned_eval.skips import EvalSkipped, skip_metric
-from tasks.external import evaluate_external
-from tests.e2e.conftest import EngineStarter
-from tests.pointkit import SMALL_SUITE, write_step_snapshot
-from trainer_integration.external import (
+from pinned_eval.external import (
     CheckpointEvalFn,
     EvalInput,
     EvalResults,
@@ -27,6 +21,12 @@ from trainer_integration.external import (
     results_to_metrics,
     samples_artifact_key,
 )
+from pinned_eval.fleet.cpu_engine import EngineProcess
+from pinned_eval.processes import is_running
+from pinned_eval.skips import EvalSkipped, skip_metric
+from tasks.external import evaluate_external
+from tests.e2e.conftest import EngineStarter
+from tests.pointkit import SMALL_SUITE, write_step_snapshot
 from trainer_integration.sglang_backend import SGLangCheckpointEval
 
 pytestmark = pytest.mark.e2e

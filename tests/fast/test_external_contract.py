@@ -11,10 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from pinned_eval.skips import EvalSkipped, skip_metric
-from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
-from tasks.external import evaluate_external
-from trainer_integration.external import (
+from pinned_eval.external import (
     CheckpointEvalFn,
     DatasetResult,
     EvalInput,
@@ -27,6 +24,9 @@ from trainer_integration.external import (
     sample_rows,
     samples_artifact_key,
 )
+from pinned_eval.skips import EvalSkipped, skip_metric
+from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
+from tasks.external import evaluate_external
 from trainer_integration.miles_adapter import AdapterConfig, MilesEvalSkip, PinnedEvalFn
 from trainer_integration.sglang_backend import SGLangBackendConfig, launch_spec, sglang_launch_spec
 

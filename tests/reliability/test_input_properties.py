@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from prefect.exceptions import ParameterTypeError
 from pydantic import ValidationError
 
-from flows.eval_point import _validate, eval_point
+from flows.eval_point import eval_point
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.points import PointRequest, SnapshotSource
 from pinned_eval.scoring.loader import DatasetError, EvalSample, load_dataset
@@ -100,8 +100,13 @@ def test_point_request_is_valid_or_refused_by_field_name(payload: dict[str, Any]
     assert PointRequest.model_validate({k: v for k, v in event["payload"].items() if k != "blocks"}) == req
     params = {k: event["payload"][k] for k in TRIGGER_KEYS} | event["payload"]["blocks"]
     checked = eval_point.validate_parameters(params)
-    _validate(checked["run"], checked["step"], checked["source"], checked["posture"], checked["backend"])
+    assert _flow_request(checked) == req  # what the flow validates through
     assert checked["step"] == req.step and checked["source"] == req.source
+
+
+def _flow_request(checked: dict[str, Any]) -> PointRequest:
+    """The flow's own validation: its parameters as a `PointRequest` (no second validator)."""
+    return PointRequest(**{k: v for k, v in checked.items() if k in FIELDS})
 
 
 _bad = {
@@ -127,14 +132,7 @@ def test_bad_trigger_parameters_are_refused_naming_the_field(field: str, data: s
     params: dict[str, Any] = {"run": "exp1", "step": 1, "source": {"kind": "hf", "path": "/ckpt"}}
     params[field] = data.draw(_bad[field])
     with pytest.raises((ParameterTypeError, ValueError)) as info:
-        checked = eval_point.validate_parameters(params)
-        _validate(
-            checked["run"],
-            checked["step"],
-            checked.get("source"),
-            checked.get("posture", "fleet"),
-            checked.get("backend"),
-        )
+        _flow_request(eval_point.validate_parameters(params))
     assert field in str(info.value), str(info.value)
 
 
