@@ -21,18 +21,19 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
+from prefect import get_client
+from prefect.artifacts import Artifact
 from pydantic import BaseModel, ConfigDict, Field
 
+from blocks import SinksBlock
 from flows.point_runs import point_flow_runs
 from pinned_eval.inflight import TERMINAL
 from pinned_eval.points import Outcome, history_artifact_key, outcome_of, reason_of
-from pinned_eval.sinks import MetricRow
+from pinned_eval.sinks import JsonlSink, MetricRow
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.objects import FlowRun, State
-
-
 
 
 class Attempt(BaseModel):
@@ -216,7 +217,6 @@ def _point(run: str, step: int, runs: list[FlowRunRecord], rows: list[MetricRow]
 
 
 def _artifact_rows(run: str, step: int) -> list[MetricRow]:
-    from prefect.artifacts import Artifact
 
     art = cast("Artifact | None", Artifact.get(f"{history_artifact_key(run)}-step-{step}"))
     if art is None or not art.data:
@@ -237,7 +237,6 @@ def _artifact_rows(run: str, step: int) -> list[MetricRow]:
 
 
 def _jsonl_path(sinks_name: str) -> str | None:
-    from blocks import SinksBlock
 
     try:
         return cast(SinksBlock, SinksBlock.load(sinks_name)).jsonl_path
@@ -247,9 +246,6 @@ def _jsonl_path(sinks_name: str) -> str | None:
 
 def read_history(run: str, *, client: SyncPrefectClient | None = None) -> RunHistory:
     """The history of `run` as Prefect (and the run's JSONL sink) record it now."""
-    from prefect import get_client
-
-    from pinned_eval.sinks import JsonlSink
 
     if client is None:
         with get_client(sync_client=True) as c:

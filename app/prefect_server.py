@@ -15,6 +15,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import prefect.context
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
+from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+from prefect.utilities.asyncutils import run_coro_as_sync
+
 from pinned_eval.processes import LaunchError, ProcessSpec, free_port, start_process, stop_groups, wait_http_ok
 
 
@@ -87,8 +93,6 @@ def env_set(**values: str) -> Iterator[None]:
 @contextmanager
 def use_server(api_url: str, home: Path | None = None) -> Iterator[None]:
     """Point this process's Prefect client (all threads included) at `api_url`."""
-    import prefect.context
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     updates: dict = {PREFECT_API_URL: api_url}
     env = {"PREFECT_API_URL": api_url}
@@ -106,9 +110,6 @@ def use_server(api_url: str, home: Path | None = None) -> Iterator[None]:
 
 def _drain() -> None:
     """Flush buffered run logs and events before the server goes away."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.utilities.asyncutils import run_coro_as_sync
 
     async def drain() -> None:
         for result in (APILogWorker.instance().drain(), EventsWorker.drain_all()):

@@ -66,11 +66,11 @@ def attempts_lines(point: PointHistory) -> list[str]:
 
 def plot_history(history: RunHistory) -> Figure:
     """The report figure: score per dataset vs step, non-measured steps marked on the bottom edge."""
-    import matplotlib
+    import matplotlib  # matplotlib: optional `report` extra
 
     matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.figure import Figure  # matplotlib: optional `report` extra
+    from matplotlib.ticker import MaxNLocator  # matplotlib: optional `report` extra
 
     fig = Figure(figsize=(10, 5.5), dpi=100, layout="constrained")
     ax = fig.add_subplot()

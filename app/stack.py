@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -126,7 +127,6 @@ class LocalStack:
 
 def _preferred_port() -> int:
     """4200 (Prefect's usual port) when it is free, else any free port."""
-    import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:

@@ -2,6 +2,7 @@
 
 from typing import TypeVar, cast
 
+from prefect import get_client
 from prefect.blocks.core import Block
 from pydantic import HttpUrl, ValidationError
 
@@ -21,7 +22,6 @@ def load_block(cls: type[B], name: str) -> B:
     try:
         return cast(B, cls.load(name))
     except RuntimeError:
-        from prefect import get_client
 
         slug = cls.get_block_type_slug()
         with get_client(sync_client=True) as client:

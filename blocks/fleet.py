@@ -8,16 +8,15 @@ its engines; the fleet's name names its pin lock, the global concurrency limit `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
-
-if TYPE_CHECKING:
-    from pinned_eval.fleet.client import FleetClient
-    from pinned_eval.fleet.launcher import LaunchedFleet
+from pinned_eval.fleet.client import FleetClient, FleetConfig
+from pinned_eval.fleet.launcher import LaunchedFleet, launch_cpu_fleet, launch_sglang_fleet
+from pinned_eval.fleet.sglang_args import SGLangFleetSpec
 
 
 class FleetBlock(Block):
@@ -92,8 +91,6 @@ class FleetBlock(Block):
 
     def client(self) -> FleetClient:
         """A fleet client over this fleet's engines; in launch mode it can revive dead engines."""
-        from pinned_eval.fleet.client import FleetClient, FleetConfig
-        from pinned_eval.fleet.launcher import LaunchedFleet
 
         config = FleetConfig(
             load_timeout_s=self.load_timeout_s,
@@ -110,8 +107,6 @@ class FleetBlock(Block):
         """Start this fleet (launch mode): `engines` CPU engines, or SGLang engines with
         `gpus_per_engine` GPUs each from `base_sglang_args` + `sglang_overrides`, behind
         sglang-router; the state file lets any process revive or stop them."""
-        from pinned_eval.fleet.launcher import launch_cpu_fleet, launch_sglang_fleet
-        from pinned_eval.fleet.sglang_args import SGLangFleetSpec
 
         if self.mode != "launch" or not self.model_path:
             raise ValueError("launch: needs mode 'launch' and `model_path`")

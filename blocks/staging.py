@@ -6,15 +6,14 @@ parameters; `keep_snapshots` owned snapshots per run survive for reruns (the kee
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
 from blocks._meta import DOCS_URL, LOGO_URL
-
-if TYPE_CHECKING:
-    from pinned_eval.snapshot.staging import Staging
+from pinned_eval.snapshot.staging import Staging
 
 
 class StagingBlock(Block):
@@ -63,9 +62,6 @@ class StagingBlock(Block):
         return opts
 
     def staging(self) -> Staging:
-        from pathlib import Path
-
-        from pinned_eval.snapshot.staging import Staging
 
         return Staging(
             self.root,

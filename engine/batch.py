@@ -70,8 +70,8 @@ class Sequence:
 
 def check_cache_support(model: torch.nn.Module) -> str:
     """The forward kwarg naming the KV cache; raises if the model needs non-dynamic cache layers."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers import DynamicCache  # transformers: slow import, only when a model is loaded
+    from transformers.cache_utils import DynamicLayer  # transformers: slow import, only when a model is loaded
 
     probe = DynamicCache(config=getattr(model, "config", None))
     if any(type(layer) is not DynamicLayer for layer in probe.layers):

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+from pydantic import ValidationError
+
+from engine.launch import EngineArgs
 
 app = typer.Typer(help="The bundled CPU engine that speaks SGLang's native HTTP API.", no_args_is_help=True)
 
@@ -30,9 +33,6 @@ def serve(
     health_timeout: Annotated[float, typer.Option(help="Seconds /health waits for its probe token.")] = 20.0,
 ) -> None:
     """Serve a model with SGLang's native HTTP API on CPU (foreground, until SIGINT/SIGTERM)."""
-    from pydantic import ValidationError
-
-    from engine.launch import EngineArgs
 
     try:
         args = EngineArgs(
@@ -54,7 +54,7 @@ def serve(
     if not Path(model_path).is_dir():
         typer.echo(f"engine serve: --model-path {model_path} is not a directory", err=True)
         raise typer.Exit(code=2)
-    from engine.server import serve as run_server
+    from engine.server import serve as run_server  # torch/transformers: `--help` stays fast
 
     run_server(args)
 
@@ -66,7 +66,7 @@ def tiny_model(
     max_shard_size: Annotated[str | None, typer.Option(help="Shard the weights, e.g. 100KB.")] = None,
 ) -> None:
     """Write a tiny HF causal LM + tokenizer, fully offline."""
-    from engine.tiny_model import make_tiny_model
+    from engine.tiny_model import make_tiny_model  # torch/transformers: `--help` stays fast
 
     if arch not in ("llama", "qwen2", "qwen3"):
         typer.echo(f"tiny-model: --arch must be llama, qwen2 or qwen3, got {arch!r}", err=True)

@@ -68,7 +68,10 @@ class Runner:
         max_batch_size: int = 64,
         context_length: int | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import (  # transformers: slow import, only when a model is loaded
+            AutoModelForCausalLM,
+            AutoTokenizer,
+        )
 
         torch.set_num_threads(threads)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -39,7 +40,7 @@ def create_app(args: EngineArgs) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers: slow import, only when a model is loaded
 
         runner = await asyncio.to_thread(
             Runner,
@@ -294,8 +295,7 @@ def _generate_route(app: FastAPI) -> None:
 
 def serve(args: EngineArgs) -> None:
     """Run the engine in the foreground until SIGINT/SIGTERM."""
-    import uvicorn
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # transformers: slow import, only when serving
 
     hf_logging.disable_progress_bar()
     logging.basicConfig(

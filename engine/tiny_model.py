@@ -53,8 +53,15 @@ def _corpus() -> list[str]:
 
 
 def _train_tokenizer(vocab_size: int, model_max_length: int):  # -> PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import (  # tokenizers: only when a model is written
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast  # transformers: slow import, only when a model is written
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -90,7 +97,11 @@ def _config(
     num_kv_heads: int,
     max_position_embeddings: int,
 ):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (  # transformers: slow import, only when a model is written
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -137,8 +148,11 @@ def make_tiny_model(
     max_shard_size: str | int | None = None,
 ) -> Path:
     """Write a tiny HF causal LM snapshot + tokenizer into `out` (created if missing); return `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    import torch  # torch: slow import, only when a model is written
+    from transformers import (  # transformers: slow import, only when a model is written
+        AutoModelForCausalLM,
+        GenerationConfig,
+    )
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,11 +184,11 @@ def perturb_snapshot(src: Path, dst: Path, seed: int, scale: float = 0.5) -> Pat
     Each tensor t becomes t + scale * std(t) * noise (noise ~ N(0, 1) from `seed`); constant tensors
     (norm weights, all ones) get scale * noise. Names, shapes, dtypes and shard layout are kept.
     """
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    import torch  # torch: slow import, only when a model is written
+    from safetensors import safe_open  # safetensors/torch: only when a model is perturbed
+    from safetensors.torch import save_file  # safetensors/torch: only when a model is perturbed
 
-    from engine.weights import weight_files
+    from engine.weights import weight_files  # engine.weights imports torch
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pinned_eval.external import CheckpointEvalFn, EvalInput, EvalResults, EvalSkip
+from trainer_integration import CheckpointEvalFn, EvalInput, EvalResults, EvalSkip
 
 
 class QuotaBackend(CheckpointEvalFn):
@@ -47,7 +47,7 @@ def main() -> None:
 
     from pinned_eval.events import point_event, post_events
     from pinned_eval.points import PointRequest, SnapshotSource
-    from trainer_integration.client import EvalClient
+    from trainer_integration import EvalClient
 
     args = _stack.parser(__doc__).parse_args()
     with _stack.stack(args, "external") as st:

@@ -29,7 +29,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pinned_eval.snapshot.writer import write_snapshot
-    from trainer_integration.client import EvalClient
+    from trainer_integration import EvalClient
 
     with _stack.stack(args, "pytorch") as st:
         tokenizer = AutoTokenizer.from_pretrained(st.model_path)

@@ -26,9 +26,7 @@ async def train(st: _stack.Stack, steps: int, every: int) -> None:
     from app.demo.rollouts import CyclingSource, PromptItem
     from app.demo.tasks import facts, reward
     from engine.tiny_model import perturb_snapshot
-    from trainer_integration.client import EvalClient
-    from trainer_integration.gate import ProducerGate
-    from trainer_integration.producer import FullyAsyncProducer, ProducerConfig
+    from trainer_integration import EvalClient, FullyAsyncProducer, ProducerConfig, ProducerGate
     from trainer_integration.rollout_buffer import Sample
 
     engines, router = st.fleet_urls()

@@ -21,7 +21,7 @@ import _stack
 def main() -> None:
     args = _stack.parser(__doc__).parse_args()
     from flows.watch import watch_checkpoints
-    from trainer_integration.client import EvalClient
+    from trainer_integration import EvalClient
 
     with _stack.stack(args, "watch") as st:
         root = st.work / "checkpoints"

@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_client, get_run_logger
 from prefect.client.schemas.objects import FlowRun
+from prefect.runtime import flow_run as current
 from prefect.states import Completed, State
 from pydantic import BaseModel, ConfigDict
 
@@ -23,6 +24,7 @@ from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
 from blocks._meta import load_block
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, flow_run_name
 from pinned_eval.scoring.metrics import point_metrics
+from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.suite import EvalSample, ResolvedDataset
@@ -55,7 +57,6 @@ def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
     if source is not None and source.owned:
         staging = load_block(StagingBlock, params.get("staging", "default")).staging()
         staging.retire(staging.path_for(run, step), owned=True)
-    from pinned_eval.sinks import JsonlSink
 
     sinks = load_block(SinksBlock, params.get("sinks", "default"))
     if sinks.jsonl_path:
@@ -171,8 +172,6 @@ def _owned_but_not_adopted(source: SnapshotSource | None, store: Staging, run: s
 
 def _tag_flow_run(run: str, step: int) -> None:
     """Tag this run `run:<run>`, `step:<step>` (triggered runs start with the deployment's tags only)."""
-    from prefect import get_client
-    from prefect.runtime import flow_run as current
 
     with get_client(sync_client=True) as client:
         tags = sorted({*current.tags, f"run:{run}", f"step:{step}"})

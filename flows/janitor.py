@@ -32,7 +32,17 @@ from uuid import UUID
 from prefect import flow, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import SyncPrefectClient
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+)
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.states import Crashed
 from pydantic import BaseModel, Field
 
@@ -40,7 +50,9 @@ from blocks import SinksBlock, StagingBlock
 from flows.point_runs import point_flow_runs
 from pinned_eval.inflight import POINT_FLOW, TERMINAL
 from pinned_eval.points import SnapshotSource, flow_run_name
+from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import SkipReason
+from tasks.log import log_point, skip_rows
 
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 
@@ -63,8 +75,6 @@ class JanitorReport(BaseModel):
 
 def last_activity(client: SyncPrefectClient, fr: FlowRun) -> datetime:
     """Newest of: the run's state timestamp, its task runs' state timestamps, its heartbeats."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
     seen: list[datetime | None] = [fr.state.timestamp if fr.state else fr.created]
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
@@ -85,15 +95,6 @@ def last_activity(client: SyncPrefectClient, fr: FlowRun) -> datetime:
 
 
 def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRun]:
-    from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        FlowRunFilterTags,
-    )
-    from prefect.client.schemas.objects import StateType
 
     tags = FlowRunFilterTags(all_=[f"run:{run}"]) if run else None
     # Pending too: a worker that died between submitting and starting the run leaves it Pending.
@@ -108,8 +109,6 @@ def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRu
 @task(cache_policy=NO_CACHE, task_run_name="crash-{point.name}")
 def crash_point(point: StuckPoint, window_s: float) -> list[str]:
     """Force the stuck run to Crashed, retire its owned snapshot, record `skipped_crashed`."""
-    from pinned_eval.sinks import JsonlSink
-    from tasks.log import log_point, skip_rows
 
     logger = get_run_logger()
     message = (

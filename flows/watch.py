@@ -22,8 +22,11 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
+from prefect.settings import PREFECT_API_URL
 from pydantic import BaseModel, ConfigDict
 
+from blocks import StagingBlock
+from blocks._meta import load_block
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.points import RUN_PATTERN, PointRequest, Posture, SnapshotSource, SourceKind, history_artifact_key
 from pinned_eval.settings import PrefectApiSettings
@@ -146,13 +149,10 @@ def watch_checkpoints(
     logger = get_run_logger()
     options: dict[str, Any] = {}
     if storage_block and root.startswith(("s3://", "s3a://")):
-        from blocks import StagingBlock
-        from blocks._meta import load_block
 
         options = load_block(StagingBlock, storage_block).model_copy(update={"root": root}).storage_options()
     checkpoints = scan(root, options)
     blocks = BlockNames(suite=suite, fleet=fleet, staging=staging, sinks=sinks)
-    from prefect.settings import PREFECT_API_URL
 
     api_url = str(PREFECT_API_URL.value())
     with api_client(PrefectApiSettings()) as http:

@@ -100,7 +100,7 @@ def log_to_wandb(
     directory: str | None,
 ) -> None:
     """Log one point's metrics into the training run's W&B run at `eval/step`."""
-    import wandb
+    import wandb  # wandb: optional extra, slow import
 
     wb = wandb.init(
         project=project,

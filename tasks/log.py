@@ -22,6 +22,7 @@ from prefect.variables import Variable
 
 from blocks.sinks import SinksBlock
 from pinned_eval.points import history_artifact_key, progress_variable_name
+from pinned_eval.scoring.metrics import skip_metrics
 from pinned_eval.sinks import JsonlSink, MetricRow, log_to_wandb
 
 
@@ -115,7 +116,6 @@ def measured_rows(
 
 
 def skip_rows(run: str, step: int, reason: str, message: str, *, failed: bool = False) -> list[MetricRow]:
-    from pinned_eval.scoring.metrics import skip_metrics
 
     return [
         MetricRow(

@@ -59,14 +59,14 @@ def export_snapshot(source: SnapshotSource, run: str, step: int, staging: Stagin
     started = time.monotonic()
     try:
         if source.kind is SourceKind.MEGATRON:
-            from pinned_eval.snapshot.megatron import export_megatron_checkpoint
+            from pinned_eval.snapshot.megatron import export_megatron_checkpoint  # torch: only a conversion needs it
 
             assert source.hf_base is not None  # validated by SnapshotSource
             export_megatron_checkpoint(
                 source.path, source.hf_base, dest, storage_options=staging.storage_options
             )
         else:
-            from pinned_eval.snapshot.state_dict import export_state_dict
+            from pinned_eval.snapshot.state_dict import export_state_dict  # torch: only a conversion needs it
 
             assert source.hf_base is not None
             export_state_dict(source.path, source.hf_base, dest, storage_options=staging.storage_options)

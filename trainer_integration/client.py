@@ -27,6 +27,8 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -39,8 +41,11 @@ import httpx
 
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, progress_variable_name
+from pinned_eval.polling import PollTimeout, poll_until
 from pinned_eval.settings import PrefectApiSettings, get_settings
+from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
+from pinned_eval.snapshot.staging import Staging
 from trainer_integration.events import (
     SINKS_BLOCK_SLUG,
     Delivery,
@@ -106,7 +111,6 @@ class EvalClient:
         self.visible_timeout_s = visible_timeout_s
         self._staging: Any = None
         if staging_root is not None:
-            from pinned_eval.snapshot.staging import Staging
 
             self._staging = Staging(str(staging_root))
         self.rest = PrefectRest(url, http or api_client(settings))
@@ -348,14 +352,15 @@ class EvalClient:
 
     def flush_progress(self, timeout: float = 10.0) -> None:
         """Block until the latest reported step is published (tests, shutdown)."""
-        deadline = time.monotonic() + timeout
         name = progress_variable_name(self.run)
-        while time.monotonic() < deadline:
+
+        def published() -> bool:
             if self._latest_step is None or self.rest.get_variable(name) == self._latest_step:
-                return
+                return True
             self._progress.set()
-            time.sleep(0.1)
-        raise TimeoutError(f"progress of {self.run} not published within {timeout}s")
+            return False
+
+        poll_until(published, timeout_s=timeout, interval_s=0.1, what=f"progress of {self.run} published")
 
     # ---- outcomes ------------------------------------------------------------------------------
 
@@ -374,7 +379,6 @@ class EvalClient:
         return [point_outcome(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
 
     def _sink_rows(self) -> dict[int, dict[str | None, dict[str, float]]]:
-        from pinned_eval.sinks import JsonlSink
 
         data = self.rest.block_data(SINKS_BLOCK_SLUG, self.blocks.sinks)
         path = (data or {}).get("jsonl_path")
@@ -385,27 +389,33 @@ class EvalClient:
         return out
 
     def wait_for(self, step: int, timeout: float) -> PointOutcome:
-        deadline = time.monotonic() + timeout
-        while True:
-            [outcome] = [o for o in self.results() if o.step == step] or [PointOutcome(step=step, state="pending")]
-            if outcome.state != "pending" or time.monotonic() > deadline:
-                return outcome
-            time.sleep(self.poll_s)
+        def outcome() -> PointOutcome:
+            return next((o for o in self.results() if o.step == step), PointOutcome(step=step, state="pending"))
+
+        def done() -> PointOutcome | None:
+            o = outcome()
+            return o if o.state != "pending" else None
+
+        with contextlib.suppress(PollTimeout):  # still pending at the timeout: returned as pending
+            return poll_until(done, timeout_s=timeout, interval_s=self.poll_s, what="")
+        return outcome()
 
     def drain(self, timeout: float) -> list[PointOutcome]:
         """Deliver the spool, then wait until every point is terminal (pending ones stay `pending`)."""
         deadline = time.monotonic() + timeout
         if not self.deliverer.flush(timeout):
             log.warning("pinned-eval: %d requests of %s still spooled", len(self.spool.pending()), self.run)
-        while True:
+
+        def settled() -> list[PointOutcome] | None:
             outcomes = self.results()
-            if all(o.state != "pending" for o in outcomes) or time.monotonic() > deadline:
-                return outcomes
-            time.sleep(self.poll_s)
+            return outcomes if all(o.state != "pending" for o in outcomes) else None
+
+        with contextlib.suppress(PollTimeout):  # pending ones at the timeout stay `pending`
+            return poll_until(settled, timeout_s=max(0.0, deadline - time.monotonic()), interval_s=self.poll_s, what="")
+        return self.results()
 
     async def shared_point(self, step: int, *, final: bool = False, timeout: float = 600.0) -> PointOutcome:
         """Request a `posture="shared"` point at `step` and wait for it (the gate's dispatch_and_wait)."""
-        import asyncio
 
         result = await asyncio.to_thread(self._dispatch_safe, step, None, final, None, Posture.SHARED, time.monotonic())
         if result.action not in ("requested", "exists"):

@@ -19,7 +19,7 @@ def demo(
     exit_after: Annotated[bool, typer.Option("--exit", help="Stop everything after printing the table.")] = False,
 ) -> None:
     """Train a tiny model on CPU and evaluate it every few steps, one Prefect flow run per point."""
-    from app.demo.run import DemoOptions, run_demo
+    from app.demo.run import DemoOptions, run_demo  # torch, prefect: slow imports; `pinned-eval --help` stays fast
 
     run_demo(DemoOptions(steps=steps, warmup_steps=warmup_steps, eval_every=eval_every, policy=policy,
                          port=port, exit_after=exit_after))  # fmt: skip

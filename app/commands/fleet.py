@@ -13,6 +13,10 @@ from typing import Annotated, Any
 
 import typer
 
+from pinned_eval.fleet.launcher import LaunchedFleet, default_state_file, launch_cpu_fleet, launch_sglang_fleet
+from pinned_eval.fleet.sglang_args import SGLangFleetSpec
+from pinned_eval.processes import LaunchError
+
 app = typer.Typer(help="Start and stop a fleet of engines behind sglang-router.", no_args_is_help=True)
 
 StateFileOpt = Annotated[
@@ -21,7 +25,6 @@ StateFileOpt = Annotated[
 
 
 def _state_path(state_file: Path | None) -> Path:
-    from pinned_eval.fleet.launcher import default_state_file
 
     return state_file or default_state_file()
 
@@ -55,9 +58,6 @@ def up(
     ready_timeout_s: Annotated[float, typer.Option("--ready-timeout", help="Seconds to become ready.")] = 300.0,
 ) -> None:
     """Start N engines and the router; print their URLs; return when ready (processes keep running)."""
-    from pinned_eval.fleet.launcher import LaunchedFleet, launch_cpu_fleet, launch_sglang_fleet
-    from pinned_eval.fleet.sglang_args import SGLangFleetSpec
-    from pinned_eval.processes import LaunchError
 
     if policy not in ("round_robin", "cache_aware", "random", "power_of_two"):
         raise typer.BadParameter(f"unknown policy {policy!r}", param_hint="--policy")
@@ -100,8 +100,6 @@ def up(
 @app.command("down")
 def down(state_file: StateFileOpt = None) -> None:
     """Stop the fleet recorded in the state file (router and engines, by PID/process group)."""
-    from pinned_eval.fleet.launcher import LaunchedFleet
-    from pinned_eval.processes import LaunchError
 
     path = _state_path(state_file)
     if not path.exists():
@@ -119,7 +117,6 @@ def down(state_file: StateFileOpt = None) -> None:
 @app.command("status")
 def status(state_file: StateFileOpt = None) -> None:
     """Print each recorded process and whether it is still running (by PID)."""
-    from pinned_eval.fleet.launcher import LaunchedFleet
 
     path = _state_path(state_file)
     if not path.exists():

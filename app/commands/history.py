@@ -21,8 +21,12 @@ def status(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every attempt of every step.")] = False,
 ) -> None:
     """Table of a run's steps: state, reason, score per dataset, weight version, lag, attempts."""
-    from app.history import read_history
-    from app.report import attempts_lines, format_table, status_rows
+    from app.history import read_history  # prefect: slow import; `pinned-eval --help` stays fast
+    from app.report import (  # prefect: slow import; `pinned-eval --help` stays fast
+        attempts_lines,
+        format_table,
+        status_rows,
+    )
 
     with prefect_client() as client:
         history = read_history(run, client=client)
@@ -46,8 +50,8 @@ def report(
     out: Annotated[Path, typer.Option("--out", help="FILE.png or FILE.html (PNG embedded + table).")],
 ) -> None:
     """Plot score per dataset vs step; skipped and failed steps are marked with their reason."""
-    from app.history import read_history
-    from app.report import write_report
+    from app.history import read_history  # prefect: slow import; `pinned-eval --help` stays fast
+    from app.report import write_report  # prefect: slow import; `pinned-eval --help` stays fast
 
     if out.suffix.lower() not in (".png", ".html", ".htm"):
         fail(f"--out: {out.name!r} must end in .png or .html", 2)
@@ -74,7 +78,7 @@ def janitor(
 ) -> None:
     """Crash stuck points (lost host), record skipped_crashed, retire orphaned staged snapshots."""
     with prefect_client():
-        from flows.janitor import janitor as janitor_flow
+        from flows.janitor import janitor as janitor_flow  # prefect: slow import; `pinned-eval --help` stays fast
 
         state = janitor_flow(
             heartbeat_window_s=heartbeat_window, run=run, orphan_age_s=orphan_age, staging=staging,

@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, cast
 from uuid import UUID
 
+import httpx
 import typer
+from pydantic import ValidationError
+
+from pinned_eval.events import BlockNames, point_event
+from pinned_eval.inflight import RETRYABLE, TERMINAL
+from pinned_eval.points import PointRequest, SnapshotSource, SourceKind, flow_run_name, outcome_of
+from pinned_eval.polling import PollTimeout, poll_until
+from pinned_eval.snapshot.layout import join, resolve
+from pinned_eval.snapshot.staging import RETIRED
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
 
     from app.history import FlowRunRecord
-    from pinned_eval.points import SnapshotSource
 
 DEFAULT_DEPLOYMENT = "eval-point/eval-point"
 
@@ -50,9 +57,8 @@ def fail(message: str, code: int = 1) -> NoReturn:
 @contextlib.contextmanager
 def prefect_client() -> Iterator[SyncPrefectClient]:
     """A sync client of the configured API; exit 2 when none is configured, 1 when unreachable."""
-    import httpx
-    from prefect import get_client
-    from prefect.settings import get_current_settings
+    from prefect import get_client  # prefect: slow import; `pinned-eval --help` stays fast
+    from prefect.settings import get_current_settings  # prefect: slow import; `pinned-eval --help` stays fast
 
     url = get_current_settings().api.url
     if not url:
@@ -66,9 +72,6 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
 
 def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
     """`KIND:PATH` (e.g. `staged:/stage/exp42/step_00000120`, `hf:s3://b/p`) → a validated source."""
-    from pydantic import ValidationError
-
-    from pinned_eval.points import SnapshotSource
 
     kind, sep, path = text.partition(":")
     if not sep or not path:
@@ -82,8 +85,8 @@ def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
 
 def step_runs(client: SyncPrefectClient, run: str, step: int) -> list[FlowRunRecord]:
     """Every flow run of the point, oldest first."""
-    from app.history import FlowRunRecord
-    from flows.point_runs import point_flow_runs
+    from app.history import FlowRunRecord  # prefect: slow import; `pinned-eval --help` stays fast
+    from flows.point_runs import point_flow_runs  # prefect: slow import; `pinned-eval --help` stays fast
 
     records = [FlowRunRecord.from_prefect(fr) for fr in point_flow_runs(client, run)]
     return sorted((r for r in records if r.step == step), key=lambda r: r.created)
@@ -91,14 +94,18 @@ def step_runs(client: SyncPrefectClient, run: str, step: int) -> list[FlowRunRec
 
 def wait_terminal(client: SyncPrefectClient, flow_run_id: str, timeout_s: float) -> Any:
     """The flow run once its state is terminal; exit 1 after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        fr = client.read_flow_run(UUID(flow_run_id))
-        if fr.state is not None and fr.state.is_final():
-            return fr
-        if time.monotonic() > deadline:
-            fail(f"{fr.name} ({flow_run_id}) still {fr.state.name if fr.state else 'Pending'} after {timeout_s:.0f}s")
-        time.sleep(1.0)
+    last: Any = None
+
+    def final() -> Any:
+        nonlocal last
+        last = client.read_flow_run(UUID(flow_run_id))
+        return last if last.state is not None and last.state.is_final() else None
+
+    try:
+        return poll_until(final, timeout_s=timeout_s, interval_s=1.0, what="")
+    except PollTimeout:
+        state = last.state.name if last is not None and last.state else "Pending"
+        fail(f"{last.name if last else flow_run_id} ({flow_run_id}) still {state} after {timeout_s:.0f}s")
 
 
 def print_final(fr: Any) -> None:
@@ -110,10 +117,8 @@ def new_deployment_run(
     client: SyncPrefectClient, deployment: str, parameters: dict[str, Any], run: str, step: int
 ) -> Any:
     """A new flow run of `deployment` named `<run>/step-<step>`, tagged like the flow tags itself."""
-    from prefect.deployments import run_deployment
-    from prefect.exceptions import ObjectNotFound
-
-    from pinned_eval.points import flow_run_name
+    from prefect.deployments import run_deployment  # prefect: slow import; `pinned-eval --help` stays fast
+    from prefect.exceptions import ObjectNotFound  # prefect: slow import; `pinned-eval --help` stays fast
 
     try:
         return run_deployment(
@@ -147,10 +152,6 @@ def request(
     timeout: TimeoutOpt = 1800.0,
 ) -> None:
     """Request an ad-hoc eval point (the same event a trainer sends)."""
-    from pydantic import ValidationError
-
-    from pinned_eval.events import BlockNames, point_event
-    from pinned_eval.points import PointRequest, flow_run_name
 
     src = parse_source(source, hf_base) if source else None
     try:
@@ -185,22 +186,19 @@ def request(
 
 
 def _await_triggered(client: SyncPrefectClient, run: str, step: int, after: datetime, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        fresh = [r for r in step_runs(client, run, step) if r.created >= after.replace(microsecond=0)]
-        if fresh:
-            return fresh[-1].id
-        time.sleep(0.5)
+    def fresh() -> str | None:
+        runs = [r for r in step_runs(client, run, step) if r.created >= after.replace(microsecond=0)]
+        return runs[-1].id if runs else None
+
+    with contextlib.suppress(PollTimeout):
+        return poll_until(fresh, timeout_s=timeout_s, interval_s=0.5, what="")
     fail(f"no flow run for {run}/step-{step} within {timeout_s:.0f}s: is the deployment's trigger active, "
          "or was this event id already used (then use --force-new)?")
 
 
 def ensure_snapshot(client: SyncPrefectClient, last: FlowRunRecord) -> str:
     """Make sure the rerun can obtain its weights; return what was done (or exit 1 saying why not)."""
-    from blocks import StagingBlock
-    from pinned_eval.points import SnapshotSource, SourceKind
-    from pinned_eval.snapshot.layout import join, resolve
-    from pinned_eval.snapshot.staging import RETIRED
+    from blocks import StagingBlock  # prefect: slow import; `pinned-eval --help` stays fast
 
     raw = last.parameters.get("source")
     if not raw:
@@ -233,10 +231,7 @@ def rerun(
     timeout: TimeoutOpt = 1800.0,
 ) -> None:
     """Run a finished point again: retry a failed one in place, re-trigger a skipped one."""
-    from prefect.states import Scheduled
-
-    from pinned_eval.inflight import RETRYABLE, TERMINAL
-    from pinned_eval.points import flow_run_name, outcome_of
+    from prefect.states import Scheduled  # prefect: slow import; `pinned-eval --help` stays fast
 
     name = flow_run_name(run, step)
     with prefect_client() as client:

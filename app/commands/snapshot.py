@@ -16,6 +16,9 @@ from typing import Annotated, Any
 
 import typer
 
+from pinned_eval.snapshot.check import check_snapshot
+from pinned_eval.snapshot.staging import Staging
+
 app = typer.Typer(help="Check and list HF snapshots (local or s3://).", no_args_is_help=True)
 
 EndpointOpt = Annotated[
@@ -52,7 +55,6 @@ def check(
     endpoint_url: EndpointOpt = None,
 ) -> None:
     """Exit 0 when the snapshot is complete; otherwise print the reason and exit 1."""
-    from pinned_eval.snapshot.check import check_snapshot
 
     result = check_snapshot(path_or_url, _options(path_or_url, endpoint_url))
     if result.complete:
@@ -69,7 +71,6 @@ def ls(
     endpoint_url: EndpointOpt = None,
 ) -> None:
     """List the staged snapshots under ROOT: run, step, complete, retired, modified, path."""
-    from pinned_eval.snapshot.staging import Staging
 
     staging = Staging(root, storage_options=_options(root, endpoint_url))
     rows = staging.list(run)
@@ -100,16 +101,20 @@ def export(
         if dtype is not None:
             raise typer.BadParameter("--dtype applies to --state-dict only (Megatron keeps the base dtype)")
         try:
-            from pinned_eval.snapshot.megatron import export_megatron_checkpoint
+            from pinned_eval.snapshot.megatron import (
+                export_megatron_checkpoint,  # torch: slow import; `pinned-eval --help` stays fast
+            )
         except ImportError as e:
             typer.echo(f"Megatron export is not available in this install: {e}", err=True)
             raise typer.Exit(code=1) from None
         run = partial(export_megatron_checkpoint, megatron_ckpt, str(hf_base), out,
                       max_shard_bytes=shard_bytes, storage_options=opts)
     else:
-        import torch
+        import torch  # torch: slow import; `pinned-eval --help` stays fast
 
-        from pinned_eval.snapshot.state_dict import export_state_dict
+        from pinned_eval.snapshot.state_dict import (
+            export_state_dict,  # torch: slow import; `pinned-eval --help` stays fast
+        )
 
         cast = getattr(torch, dtype, None) if dtype else None
         if dtype and not isinstance(cast, torch.dtype):

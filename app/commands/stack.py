@@ -20,7 +20,7 @@ server_app = typer.Typer(help="A local Prefect server (SQLite, filesystem lease 
 
 
 def _stack():
-    from app.stack import LocalStack
+    from app.stack import LocalStack  # prefect: slow import; `pinned-eval --help` stays fast
 
     return LocalStack(get_settings().home)
 
@@ -53,7 +53,7 @@ def worker(
     query_seconds: Annotated[int, typer.Option(help="How often the worker polls for runs.")] = 2,
 ) -> None:
     """Run a process worker on the `pinned-eval` pool in the foreground (Ctrl-C stops it)."""
-    from app.stack import WORK_POOL, project_dir
+    from app.stack import WORK_POOL, project_dir  # prefect: slow import; `pinned-eval --help` stays fast
 
     env = dict(_stack().env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds))
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"]

@@ -24,10 +24,15 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.prefect_server import use_server
+from app.stack import LocalStack
+from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from pinned_eval.points import SnapshotSource, SourceKind
 from pinned_eval.settings import get_settings
+from pinned_eval.suite import default_suite
+from trainer_integration.client import EvalClient
 
 if TYPE_CHECKING:
-    from blocks import FleetBlock
     from trainer_integration.results import PointOutcome
 
 RUN = "demo"
@@ -66,8 +71,6 @@ class _Started:
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict[str, object]]:
     """Run the demo; returns the per-step table rows (also printed)."""
-    from app.prefect_server import use_server
-    from app.stack import LocalStack
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # quiet transformers in every child too
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -101,15 +104,13 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
 
 
 def _tiny_model(home: Path, say: Callable[[str], None]) -> Path:
-    from engine.tiny_model import make_tiny_model
+    from engine.tiny_model import make_tiny_model  # torch/transformers: slow import, only when the demo runs
 
     say("making a tiny model and tokenizer (offline) ...")
     return make_tiny_model(home / "base-model", seed=0)
 
 
 def _save_blocks(home: Path, base: Path) -> FleetBlock:
-    from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
-    from pinned_eval.suite import default_suite
 
     fleet = FleetBlock(name="demo", mode="launch", backend="cpu", engines=2, model_path=str(base),
                        state_file=str(home / "fleet" / "fleet.json"))  # fmt: skip
@@ -123,9 +124,7 @@ def _save_blocks(home: Path, base: Path) -> FleetBlock:
 def _train_and_evaluate(
     opts: DemoOptions, home: Path, base: Path, api_url: str, say: Callable[[str], None]
 ) -> list[dict[str, object]]:
-    from app.demo.trainer import DemoConfig, DemoTrainer
-    from pinned_eval.points import SnapshotSource, SourceKind
-    from trainer_integration.client import EvalClient
+    from app.demo.trainer import DemoConfig, DemoTrainer  # torch/transformers: slow import, only when the demo runs
 
     config = DemoConfig(work_dir=home / "trainer", base_model_dir=base, warmup_steps=opts.warmup_steps)
     client = EvalClient(

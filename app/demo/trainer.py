@@ -32,9 +32,11 @@ from typing import Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors import safe_open
 
 from app.demo import tasks
 from app.demo.rollouts import CyclingSource, PromptItem, RolloutWorker, sample
+from engine.weights import weight_files
 from pinned_eval.snapshot.writer import write_snapshot
 from trainer_integration.producer import ProducerConfig
 from trainer_integration.rollout_buffer import Sample, iter_samples
@@ -97,7 +99,10 @@ class ExportStats(BaseModel):
 
 class DemoTrainer:
     def __init__(self, config: DemoConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import (  # transformers: slow import, only when a model is loaded
+            AutoModelForCausalLM,
+            AutoTokenizer,
+        )
 
         self.config = config
         torch.set_num_threads(config.threads)
@@ -117,7 +122,7 @@ class DemoTrainer:
         self._worker: RolloutWorker | None = None
 
     def _make_base(self) -> Path:
-        from engine.tiny_model import make_tiny_model
+        from engine.tiny_model import make_tiny_model  # transformers: slow import, only when a model is made
 
         c = self.config
         out = c.work_dir / "base"
@@ -276,9 +281,6 @@ class DemoTrainer:
 
 
 def _weight_names(hf_dir: Path) -> list[str]:
-    from safetensors import safe_open
-
-    from engine.weights import weight_files
 
     names: list[str] = []
     for f in sorted(weight_files(Path(hf_dir))):

@@ -13,13 +13,13 @@ Contract (protocol reference §4):
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 
 from pinned_eval.fleet.engine_api import bearer
 from pinned_eval.fleet.errors import EngineHTTPError, RouterError
 from pinned_eval.fleet.models import RouterWorker, normalize_url
+from pinned_eval.polling import PollTimeout, apoll_until
 
 READINESS_PROBE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
 
@@ -67,15 +67,18 @@ class RouterAPI:
         return await self._wait_healthy(url, timeout_s)
 
     async def _wait_healthy(self, url: str, timeout_s: float) -> RouterWorker:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        state = "not listed"
+
+        async def healthy() -> RouterWorker | None:
+            nonlocal state
             listed = [w for w in await self.list_workers() if w.url == url]
-            if listed and listed[0].is_healthy:
-                return listed[0]
-            if time.monotonic() >= deadline:
-                state = "listed but unhealthy" if listed else "not listed"
-                raise RouterError(f"router {self.url}: worker {url} {state} after {timeout_s}s")
-            await asyncio.sleep(self.poll_interval_s)
+            state = "listed but unhealthy" if listed else "not listed"
+            return listed[0] if listed and listed[0].is_healthy else None
+
+        try:
+            return await apoll_until(healthy, timeout_s=timeout_s, interval_s=self.poll_interval_s, what="")
+        except PollTimeout:
+            raise RouterError(f"router {self.url}: worker {url} {state} after {timeout_s}s") from None
 
     async def remove_worker(self, url: str, *, timeout_s: float = 30.0) -> bool:
         """Deregister `url`; False when it was not a member. Waits until it is no longer listed."""
@@ -89,11 +92,14 @@ class RouterAPI:
                 raise EngineHTTPError(self.url, resp.status_code, resp.text)
         if not ids:
             return False
-        deadline = time.monotonic() + timeout_s
-        while any(w.url == url for w in await self.list_workers()):
-            if time.monotonic() >= deadline:
-                raise RouterError(f"router {self.url}: worker {url} still listed {timeout_s}s after DELETE")
-            await asyncio.sleep(self.poll_interval_s)
+
+        async def gone() -> bool:
+            return not any(w.url == url for w in await self.list_workers())
+
+        try:
+            await apoll_until(gone, timeout_s=timeout_s, interval_s=self.poll_interval_s, what="")
+        except PollTimeout:
+            raise RouterError(f"router {self.url}: worker {url} still listed {timeout_s}s after DELETE") from None
         return True
 
     async def sync_workers(self, urls: list[str], *, timeout_s: float = 60.0) -> list[str]:
@@ -107,9 +113,10 @@ class RouterAPI:
 
     async def wait_ready(self, *, timeout_s: float = 180.0, retry_interval_s: float = 1.0) -> None:
         """Probe a 1-token generate through the router until it answers 200."""
-        deadline = time.monotonic() + timeout_s
         last = "no attempt"
-        while True:
+
+        async def answers() -> bool:
+            nonlocal last
             try:
                 resp = await self._http.post(
                     f"{self.url}/generate",
@@ -117,11 +124,13 @@ class RouterAPI:
                     headers=self._headers,
                     timeout=min(60.0, max(1.0, timeout_s)),
                 )
-                if resp.status_code == 200:
-                    return
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
             except httpx.TransportError as exc:
                 last = repr(exc)
-            if time.monotonic() >= deadline:
-                raise RouterError(f"router {self.url} not ready after {timeout_s}s: {last}")
-            await asyncio.sleep(retry_interval_s)
+                return False
+            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return resp.status_code == 200
+
+        try:
+            await apoll_until(answers, timeout_s=timeout_s, interval_s=retry_interval_s, what="")
+        except PollTimeout:
+            raise RouterError(f"router {self.url} not ready after {timeout_s}s: {last}") from None

@@ -77,7 +77,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa  # imported lazily: only Parquet datasets need it
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # pyarrow: slow import, only for Parquet datasets
 
     try:
         table = pq.read_table(path)

@@ -123,7 +123,7 @@ def export_live_model(
     inner = _unwrap(model)
     if not getattr(inner.config, "gated_linear_unit", False):
         raise NotImplementedError("live export supports SwiGLU (gated_linear_unit=True) models only")
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # megatron-core: optional extra, only for a live export
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron parallel state is not initialised (initialize_model_parallel)")

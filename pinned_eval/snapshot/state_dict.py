@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.writer import TensorSpec, WriteResult, write_snapshot
@@ -35,7 +36,7 @@ class StateDictMismatchError(ExportError, ValueError):
 
 def expected_parameters(hf_base_dir: str | Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """({name: shape} the architecture expects, {tied name: the name it is tied to})."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # transformers: slow import, only to read a base config
 
     cfg = AutoConfig.from_pretrained(str(hf_base_dir))
     with torch.device("meta"):
@@ -59,7 +60,6 @@ class _Source:
         self.file = file
         self._sd: dict[str, Any] | None = None
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
 
             with safe_open(str(file), "pt") as f:
                 self.specs = {}
@@ -87,7 +87,6 @@ class _Source:
     def get(self, name: str) -> torch.Tensor:
         if self._sd is not None:
             return self._sd[name]
-        from safetensors import safe_open
 
         with safe_open(str(self.file), "pt") as f:
             return f.get_tensor(name)
@@ -96,7 +95,6 @@ class _Source:
         if self._sd is not None:
             yield from ((n, self._sd[n]) for n in names)
             return
-        from safetensors import safe_open
 
         with safe_open(str(self.file), "pt") as f:
             for n in names:

@@ -27,3 +27,15 @@ def test_the_prefect_block_is_effective() -> None:
     r = run_isolated("import prefect\n")
     assert r.returncode != 0
     assert "ImportError" in r.stderr or "ModuleNotFoundError" in r.stderr
+
+
+def test_flat_public_api_imports_without_prefect_or_torch() -> None:
+    r = run_isolated(
+        "from trainer_integration import EvalClient, CheckpointEvalFn, EvalSkip, ProducerGate, FullyAsyncProducer\n"
+        "import pinned_eval.external as contract\n"
+        "assert CheckpointEvalFn is contract.CheckpointEvalFn and issubclass(EvalSkip, Exception)\n"
+        "assert 'torch' not in sys.modules, 'the trainer API must stay torch-free'\n"
+        "print('ok')\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
