@@ -25,10 +25,8 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,6 +47,7 @@ from pinned_eval.points import (
     history_artifact_key,
     point_event_id,
 )
+from pinned_eval.polling import PollTimeout, apoll_until
 from pinned_eval.settings import PrefectApiSettings
 from trainer_integration.rest import auth_headers
 
@@ -207,20 +206,27 @@ class PinnedEvalREST:
         return str(run["id"])
 
     async def wait(self, flow_run_id: str) -> PointOutcome:
-        deadline = time.monotonic() + self.config.timeout_s
-        while True:
+        state: dict[str, Any] = {}
+
+        async def finished() -> PointOutcome | None:
+            nonlocal state
             run = await self._json("GET", f"/flow_runs/{flow_run_id}")
             state = run.get("state") or {}
-            if not in_flight(state.get("type")):
-                return PointOutcome(
-                    flow_run_id=flow_run_id,
-                    state_type=state["type"],
-                    state_name=state.get("name") or state["type"].title(),
-                    message=state.get("message"),
-                )
-            if time.monotonic() >= deadline:
-                raise PointFailed(f"flow run {flow_run_id} not finished after {self.config.timeout_s}s ({state})")
-            await asyncio.sleep(self.config.poll_interval_s)
+            if in_flight(state.get("type")):
+                return None
+            return PointOutcome(
+                flow_run_id=flow_run_id,
+                state_type=state["type"],
+                state_name=state.get("name") or state["type"].title(),
+                message=state.get("message"),
+            )
+
+        try:
+            return await apoll_until(
+                finished, timeout_s=self.config.timeout_s, interval_s=self.config.poll_interval_s, what=""
+            )
+        except PollTimeout:
+            raise PointFailed(f"flow run {flow_run_id} not finished after {self.config.timeout_s}s ({state})") from None
 
     async def artifact_data(self, flow_run_id: str, key: str) -> Any | None:
         """Data of the newest artifact `key` of that flow run (None when there is none)."""

@@ -17,6 +17,7 @@ from blocks import FleetBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.points import history_artifact_key, progress_variable_name
 from pinned_eval.sinks import JsonlSink
+from pinned_eval.snapshot.layout import RETIRED
 from tasks.admission import admitted
 from tests.conftest import free_port
 from tests.faults import RelabelingProxy
@@ -206,3 +207,26 @@ def test_engine_reporting_another_version_is_pin_violation(
     assert proxy.loads == 2, "two attempts, then the skip"
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert row.metrics["eval/skipped_pin_violation"] == 1
+
+
+def test_setup_failure_is_recorded_and_retires_the_owned_snapshot(
+    prefect_server: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    """A block that fails to load (here: no such fleet) fails the point after its setup started:
+    `skipped_crashed` is recorded at the step and the staged snapshot it owns is still retired."""
+    dead = [f"http://127.0.0.1:{free_port()}"]
+    env = save_point_blocks(tmp_path, FleetBlock(name="setupfail", mode="attach", engine_urls=dead, router_url=dead[0]))
+    source = staged(env, 8, tiny_model)
+    state = eval_point(**env.params(8, source=source, fleet="no-such-fleet"), return_state=True)
+    assert state.is_failed(), state
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    assert row.step == 8 and row.state == "failed" and row.metrics["eval/skipped_crashed"] == 1
+    assert (Path(source["path"]) / RETIRED).exists(), "the owned snapshot entered the keep-ring"
+
+
+def test_bad_parameters_are_refused_naming_the_field_before_anything_runs(prefect_server: str, tmp_path: Path) -> None:
+    dead = [f"http://127.0.0.1:{free_port()}"]
+    env = save_point_blocks(tmp_path, FleetBlock(name="badparams", mode="attach", engine_urls=dead, router_url=dead[0]))
+    state = eval_point(**env.params(3, source={"kind": "hf", "path": "/x"}, posture="external"), return_state=True)
+    assert state.is_failed() and "backend" in str(state.message), state.message
+    assert not env.jsonl.exists() or JsonlSink(env.jsonl).read(env.run) == []
