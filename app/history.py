@@ -217,7 +217,6 @@ def _point(run: str, step: int, runs: list[FlowRunRecord], rows: list[MetricRow]
 
 
 def _artifact_rows(run: str, step: int) -> list[MetricRow]:
-
     art = cast("Artifact | None", Artifact.get(f"{history_artifact_key(run)}-step-{step}"))
     if art is None or not art.data:
         return []
@@ -237,7 +236,6 @@ def _artifact_rows(run: str, step: int) -> list[MetricRow]:
 
 
 def _jsonl_path(sinks_name: str) -> str | None:
-
     try:
         return cast(SinksBlock, SinksBlock.load(sinks_name)).jsonl_path
     except ValueError:  # the block was deleted: fall back to the artifacts

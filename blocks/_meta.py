@@ -22,7 +22,6 @@ def load_block(cls: type[B], name: str) -> B:
     try:
         return cast(B, cls.load(name))
     except RuntimeError:
-
         slug = cls.get_block_type_slug()
         with get_client(sync_client=True) as client:
             doc = client.read_block_document_by_name(name, slug, include_secrets=True)

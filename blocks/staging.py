@@ -62,7 +62,6 @@ class StagingBlock(Block):
         return opts
 
     def staging(self) -> Staging:
-
         return Staging(
             self.root,
             storage_options=self.storage_options(),

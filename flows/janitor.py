@@ -95,7 +95,6 @@ def last_activity(client: SyncPrefectClient, fr: FlowRun) -> datetime:
 
 
 def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRun]:
-
     tags = FlowRunFilterTags(all_=[f"run:{run}"]) if run else None
     # Pending too: a worker that died between submitting and starting the run leaves it Pending.
     state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))

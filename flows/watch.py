@@ -149,7 +149,6 @@ def watch_checkpoints(
     logger = get_run_logger()
     options: dict[str, Any] = {}
     if storage_block and root.startswith(("s3://", "s3a://")):
-
         options = load_block(StagingBlock, storage_block).model_copy(update={"root": root}).storage_options()
     checkpoints = scan(root, options)
     blocks = BlockNames(suite=suite, fleet=fleet, staging=staging, sinks=sinks)

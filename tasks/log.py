@@ -116,7 +116,6 @@ def measured_rows(
 
 
 def skip_rows(run: str, step: int, reason: str, message: str, *, failed: bool = False) -> list[MetricRow]:
-
     return [
         MetricRow(
             run=run,

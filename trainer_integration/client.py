@@ -14,9 +14,9 @@ Contract:
   `export_failed` at the step.
 - every request is written ahead to the durable spool and sent by a background thread, so the
   non-waiting call costs the loop one admission query plus one fsync; `dispatch` never raises
-  into training for storage or API failures (logged, they become skip records); a programming or
-  configuration error (a bad argument, no `staging_root` for an in-loop export) raises. A step already requested or
-  recorded is not requested again.
+  into training for storage or API failures (logged, they become skip records); a programming
+  or configuration error (a bad argument, no `staging_root` for an in-loop export) raises.
+  A step already requested or recorded is not requested again.
 - `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
   `eval/lag_steps` (latest value wins, sent in the background).
 - `drain(timeout)` delivers the spool and waits for every point to be terminal; `results()`
@@ -111,7 +111,6 @@ class EvalClient:
         self.visible_timeout_s = visible_timeout_s
         self._staging: Any = None
         if staging_root is not None:
-
             self._staging = Staging(str(staging_root))
         self.rest = PrefectRest(url, http or api_client(settings))
         self._latest_step: int | None = None
@@ -379,7 +378,6 @@ class EvalClient:
         return [point_outcome(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
 
     def _sink_rows(self) -> dict[int, dict[str | None, dict[str, float]]]:
-
         data = self.rest.block_data(SINKS_BLOCK_SLUG, self.blocks.sinks)
         path = (data or {}).get("jsonl_path")
         out: dict[int, dict[str | None, dict[str, float]]] = {}

@@ -25,7 +25,6 @@ StateFileOpt = Annotated[
 
 
 def _state_path(state_file: Path | None) -> Path:
-
     return state_file or default_state_file()
 
 

@@ -111,7 +111,6 @@ def _tiny_model(home: Path, say: Callable[[str], None]) -> Path:
 
 
 def _save_blocks(home: Path, base: Path) -> FleetBlock:
-
     fleet = FleetBlock(name="demo", mode="launch", backend="cpu", engines=2, model_path=str(base),
                        state_file=str(home / "fleet" / "fleet.json"))  # fmt: skip
     fleet.save("default", overwrite=True)

@@ -281,7 +281,6 @@ class DemoTrainer:
 
 
 def _weight_names(hf_dir: Path) -> list[str]:
-
     names: list[str] = []
     for f in sorted(weight_files(Path(hf_dir))):
         with safe_open(f, framework="pt") as fh:

@@ -60,7 +60,6 @@ class _Source:
         self.file = file
         self._sd: dict[str, Any] | None = None
         if file.suffix == ".safetensors":
-
             with safe_open(str(file), "pt") as f:
                 self.specs = {}
                 for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
