@@ -53,6 +53,7 @@ from pinned_eval.fleet.models import (
     normalize_url,
 )
 from pinned_eval.fleet.router_api import RouterAPI
+from pinned_eval.polling import PollTimeout, apoll_until
 
 log = logging.getLogger(__name__)
 
@@ -255,27 +256,34 @@ class FleetClient:
 
         Returns the revived URLs. Busy engines get `alive_timeout_s`; then `FleetUnhealthy`.
         """
-        deadline = time.monotonic() + self.config.alive_timeout_s
         revived: list[str] = []
-        while True:
-            views = await self.fleet_health()
-            dead = [v for v in views if v.state is HealthState.DEAD]
-            for view in dead:
-                if view.url in revived:
-                    raise FleetUnhealthy(f"{view.url} is dead again after a revival: {view.detail}", [view.url])
-                await self.revive(view.url, reason=view.detail)
-                revived.append(view.url)
-            if dead:
-                continue
+        busy: list[EngineHealth] = []
+
+        async def all_up() -> bool:
+            nonlocal busy
+            while True:  # revive the dead ones (once each), then look again at once
+                views = await self.fleet_health()
+                dead = [v for v in views if v.state is HealthState.DEAD]
+                for view in dead:
+                    if view.url in revived:
+                        raise FleetUnhealthy(f"{view.url} is dead again after a revival: {view.detail}", [view.url])
+                    await self.revive(view.url, reason=view.detail)
+                    revived.append(view.url)
+                if not dead:
+                    break
             busy = [v for v in views if v.state is HealthState.BUSY and not v.loadable]
-            if not busy:
-                return revived
-            if time.monotonic() >= deadline:
-                detail = "; ".join(f"{v.url}: {v.detail}" for v in busy)
-                raise FleetUnhealthy(
-                    f"engines not up after {self.config.alive_timeout_s}s: {detail}", [v.url for v in busy]
-                )
-            await asyncio.sleep(self.config.poll_interval_s)
+            return not busy
+
+        try:
+            await apoll_until(
+                all_up, timeout_s=self.config.alive_timeout_s, interval_s=self.config.poll_interval_s, what=""
+            )
+        except PollTimeout:
+            detail = "; ".join(f"{v.url}: {v.detail}" for v in busy)
+            raise FleetUnhealthy(
+                f"engines not up after {self.config.alive_timeout_s}s: {detail}", [v.url for v in busy]
+            ) from None
+        return revived
 
     async def revive(self, url: str, *, reason: str = "asked") -> None:
         """Relaunch a launched engine (same args and port); it must be pinned again before use."""
