@@ -23,4 +23,4 @@ bench: setup
 	.venv/bin/python -m bench
 
 clean:
-	rm -rf .venv .pytest_cache build *.egg-info
+	rm -rf .venv .pytest_cache .import_linter_cache build *.egg-info
