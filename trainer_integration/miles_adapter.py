@@ -190,6 +190,8 @@ class PinnedEvalREST:
             posture=cfg.posture,
             policy=cfg.policy,
             max_in_flight=cfg.max_in_flight,
+            backend=cfg.parameters.get("backend"),  # the external posture's backend is validated here too
+            backend_options=cfg.parameters.get("backend_options"),
         )
         parameters = {**request.model_dump(mode="json"), **cfg.blocks.model_dump(), **cfg.parameters}
         deployment = await self._json("GET", f"/deployments/name/{cfg.deployment}")
