@@ -151,7 +151,11 @@ def _measure(
             pin_fleet(cfg.fleet, str(snapshot.local_path), version)
         else:
             verify_shared(cfg.fleet, version)
-        generations = generate(cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}")
+        # chat templates come from the pinned snapshot's tokenizer; shared: the engines' model
+        tokenizer_dir = str(snapshot.local_path) if snapshot is not None else cfg.fleet.model_path
+        generations = generate(
+            cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", tokenizer_dir=tokenizer_dir
+        )
     return score(generations, datasets, cfg.suite.suite, run, step)
 
 
