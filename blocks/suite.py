@@ -7,6 +7,7 @@ fallbacks, as miles); `from_miles_yaml` takes miles' eval YAML (`eval.defaults`,
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect.blocks.core import Block
 from pydantic import Field
@@ -33,8 +34,10 @@ class EvalSuiteBlock(Block):
     suite: EvalSuite = Field(description="Datasets, defaults and fallbacks with miles' precedence.")
 
     @classmethod
-    def from_miles_yaml(cls, path: str | Path) -> EvalSuiteBlock:
-        return cls(suite=EvalSuite.from_miles_yaml(Path(path)))
+    def from_miles_yaml(cls, path: str | Path, **options: Any) -> EvalSuiteBlock:
+        """miles' eval YAML file; `options` are `EvalSuite.from_miles_yaml`'s keywords
+        (`fallbacks`, `pass_at_k`, `base_dir`, `remote_reward`)."""
+        return cls(suite=EvalSuite.from_miles_yaml(Path(path), **options))
 
     def resolved(self) -> list[ResolvedDataset]:
         return list(self.suite.resolved())

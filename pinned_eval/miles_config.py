@@ -71,6 +71,14 @@ class MilesEvalConfig:
     datasets: list[dict[str, Any]]
     defaults: dict[str, Any]
     file_dir: str | None
+    dataset_paths: list[str]  # key path of each dataset, e.g. "eval.datasets[1]"
+    defaults_path: str = "eval.defaults"
+
+    @staticmethod
+    def key_path(where: str, field: str) -> str:
+        """`where.<key>` with the miles key that sets pinned-eval's `field` (for error messages)."""
+        miles = [k for k, f in MILES_KEYS.items() if f == field and k != field]
+        return f"{where}.{'/'.join([*miles, field]) if miles else field}"
 
 
 def parse_miles_eval_config(source: str | Path) -> MilesEvalConfig:
@@ -98,8 +106,11 @@ def parse_miles_eval_config(source: str | Path) -> MilesEvalConfig:
     raw_defaults = cfg.get("defaults") or {}
     if not isinstance(raw_defaults, dict):
         raise ValueError(f"{where}.defaults: must be a mapping")
-    datasets = [map_miles_keys(w, entry) for w, entry in _dataset_entries(where, cfg)]
-    return MilesEvalConfig(datasets, map_miles_keys(f"{where}.defaults", raw_defaults), file_dir)
+    entries = _dataset_entries(where, cfg)
+    datasets = [map_miles_keys(w, entry) for w, entry in entries]
+    return MilesEvalConfig(
+        datasets, map_miles_keys(f"{where}.defaults", raw_defaults), file_dir, [w for w, _ in entries]
+    )
 
 
 def map_miles_keys(where: str, entry: dict[str, Any]) -> dict[str, Any]:

@@ -17,11 +17,11 @@ This module imports nothing heavy (no Prefect, no torch).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pinned_eval.miles_config import parse_miles_eval_config
+from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
 from pinned_eval.scoring.loader import DatasetError, EvalSample, load_dataset
 from pinned_eval.scoring.remote import RemoteRewardConfig
 from pinned_eval.scoring.rewards import REMOTE_REWARD, check_reward_name
@@ -170,6 +170,7 @@ class ResolvedDataset(BaseModel):
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class EvalSuite(BaseModel):
@@ -253,10 +254,11 @@ class EvalSuite(BaseModel):
         `remote_reward` is miles' `--rm-url` (+ client limits), needed by `rm_type: remote_rm`.
         """
         cfg = parse_miles_eval_config(path_or_text)
+        datasets = tuple(_from_yaml(DatasetSpec, w, d) for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True))
         try:
             return cls(
-                datasets=tuple(DatasetSpec(**d) for d in cfg.datasets),
-                defaults=SamplingDefaults(**cfg.defaults),
+                datasets=datasets,
+                defaults=_from_yaml(SamplingDefaults, cfg.defaults_path, cfg.defaults),
                 fallbacks=fallbacks or SamplingFallbacks(),
                 pass_at_k=pass_at_k,
                 base_dir=base_dir or cfg.file_dir,
@@ -264,6 +266,19 @@ class EvalSuite(BaseModel):
             )
         except ValidationError as exc:
             raise ValueError(f"eval config: {exc}") from exc
+
+
+def _from_yaml(model: type[_M], where: str, fields: dict[str, Any]) -> _M:
+    """Validate one YAML section; errors name its key path (`eval.datasets[1].top_p: ...`)."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{MilesEvalConfig.key_path(where, '.'.join(map(str, e['loc'])))}: {e['msg']} "
+            f"(got {e.get('input')!r:.60})"
+            for e in exc.errors()
+        )
+        raise ValueError(problems) from exc
 
 
 def default_suite(*, with_pass_at_k: bool = False) -> EvalSuite:
