@@ -3,7 +3,8 @@
     admit → export → check → [fleet lock: pin → generate] → score → log;  finally: retire
 
 Outcomes: Completed (measured); Completed named "Skipped" with the reason as message (an
-`EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation, ...);
+`EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation,
+reward_unavailable, ...);
 Failed on an unexpected error, after recording `skipped_crashed` at the step. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
