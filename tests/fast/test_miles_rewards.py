@@ -109,3 +109,35 @@ def test_custom_reward_with_a_metadata_parameter_gets_the_rows_metadata(metadata
     with pytest.raises(KeyError, match="weight"):  # its own errors propagate (a crashed point)
         fn("7", "7", {})
     assert get_reward(f"custom:{metadata_rewards}:two_args")("7", "7", {"weight": 9}) == 1.0
+
+
+@given(
+    st.integers(2, 6).flatmap(
+        lambda n: st.lists(
+            st.lists(st.sampled_from([1.0, -1.0, 0.5, None]), min_size=n, max_size=n), min_size=1, max_size=4
+        )
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_pass_at_k_stays_unbiased_for_plus_minus_one_and_remote_rewards(rewards: list[list], rnd) -> None:
+    """dapo's -1 and a remote reward's 0.5/None are failures at threshold 1.0; pass@k equals the
+    fraction of k-subsets of each prompt's samples holding a success, averaged over prompts."""
+    import itertools
+
+    from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
+
+    n = len(rewards[0])
+    samples = [
+        ScoredSample(p, j, "", 1, r, False, "3") for p, row in enumerate(rewards) for j, r in enumerate(row)
+    ]
+    rnd.shuffle(samples)  # generation order is not prompt order
+    metrics = dataset_metrics("d", samples, pass_at_k=True, pass_threshold=1.0)
+    k = 1
+    while k <= n:
+        per_prompt = [
+            sum(any(row[i] == 1.0 for i in subset) for subset in itertools.combinations(range(n), k))
+            / len(list(itertools.combinations(range(n), k)))
+            for row in rewards
+        ]
+        assert metrics[f"eval/d-pass@{k}"] == pytest.approx(sum(per_prompt) / len(per_prompt), abs=1e-12)
+        k *= 2
