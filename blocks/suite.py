@@ -1,7 +1,8 @@
 """Eval suite block: the datasets, sampling and rewards every point of a run is measured on.
 
 The suite is validated by `pinned_eval.suite.EvalSuite` (precedence dataset > defaults >
-fallbacks, as miles); `from_miles_yaml` takes miles' eval YAML (`eval.defaults`, `eval.datasets`).
+fallbacks, as miles); `from_miles_yaml` takes miles' eval YAML (`eval.defaults`, `eval.datasets`;
+what it cannot honour is refused by key path, see `pinned_eval.miles_config`).
 """
 
 from __future__ import annotations
