@@ -6,7 +6,7 @@ Contract:
 - `prompt` is a string, or (only with `apply_chat_template`) a list of `{role, content}` messages.
 - `label` is a string; integer and float labels are converted with `str()` (JSON `7` -> "7").
 - `metadata`: with `metadata_key`, the row's object under that key (a mapping, or a JSON object
-  string as Parquet exports often hold; the key must exist); without it, every other column of
+  string as Parquet exports often hold; null is {}; the key must exist); without it, every other column of
   the row, unchanged. `metadata_overrides` are then set on it (miles `inject_metadata`).
 - Any bad row raises `DatasetError` naming the file, the JSONL line (1-based) or Parquet row
   (0-based), and the offending key. Nothing is skipped silently.

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from blocks import EvalSuiteBlock
+from pinned_eval.miles_config import MILES_KEYS, UNSUPPORTED_UNLESS_EMPTY
 from pinned_eval.suite import EvalSuite, RemoteRewardConfig, SamplingFallbacks, load_dataset
 
 CONFIGS = Path(__file__).parents[1] / "miles_configs"
@@ -130,3 +134,18 @@ def test_bad_metadata_is_named(tmp_path: Path, row: dict, message: str) -> None:
     [ds] = EvalSuite.from_miles_yaml(json.dumps(cfg), base_dir=str(tmp_path)).resolved()
     with pytest.raises(ValueError, match=message):
         load_dataset(ds)
+
+
+@given(
+    st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz_"), min_size=1, max_size=24).filter(
+        lambda k: k not in MILES_KEYS and k not in UNSUPPORTED_UNLESS_EMPTY
+    ),
+    st.sampled_from(["defaults", "datasets"]),
+)
+def test_any_unknown_key_is_refused_by_its_path_never_dropped(key: str, section: str) -> None:
+    cfg: dict = {"eval": {"defaults": {}, "datasets": [{"name": "a", "path": "/a.jsonl"}]}}
+    where = "eval.defaults" if section == "defaults" else "eval.datasets[0]"
+    target = cfg["eval"]["defaults"] if section == "defaults" else cfg["eval"]["datasets"][0]
+    target[key] = 1
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}\.{key}: not supported"):
+        EvalSuite.from_miles_yaml(json.dumps(cfg))
