@@ -1,12 +1,14 @@
 """Eval suite block: the datasets, sampling and rewards every point of a run is measured on.
 
 The suite is validated by `pinned_eval.suite.EvalSuite` (precedence dataset > defaults >
-fallbacks, as miles); `from_miles_yaml` takes miles' eval YAML (`eval.defaults`, `eval.datasets`).
+fallbacks, as miles); `from_miles_yaml` takes miles' eval YAML (`eval.defaults`, `eval.datasets`;
+what it cannot honour is refused by key path, see `pinned_eval.miles_config`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect.blocks.core import Block
 from pydantic import Field
@@ -33,8 +35,10 @@ class EvalSuiteBlock(Block):
     suite: EvalSuite = Field(description="Datasets, defaults and fallbacks with miles' precedence.")
 
     @classmethod
-    def from_miles_yaml(cls, path: str | Path) -> EvalSuiteBlock:
-        return cls(suite=EvalSuite.from_miles_yaml(Path(path)))
+    def from_miles_yaml(cls, path: str | Path, **options: Any) -> EvalSuiteBlock:
+        """miles' eval YAML file; `options` are `EvalSuite.from_miles_yaml`'s keywords
+        (`fallbacks`, `pass_at_k`, `base_dir`, `remote_reward`)."""
+        return cls(suite=EvalSuite.from_miles_yaml(Path(path), **options))
 
     def resolved(self) -> list[ResolvedDataset]:
         return list(self.suite.resolved())

@@ -5,7 +5,8 @@ Contract:
   (with both `dtype` and `torch_dtype`), `generation_config.json`, safetensors weights (single file,
   or shards + `model.safetensors.index.json` when `max_shard_size` is given), and a byte-level BPE
   tokenizer trained offline on a fixed corpus (digits, arithmetic, short English words) with
-  specials `<pad>`=0, `<s>`=1, `</s>`=2 and a chat template. Nothing is downloaded.
+  specials `<pad>`=0, `<s>`=1, `</s>`=2 and a chat template (`role: content` lines, or with
+  `chat_template="chatml"` a Qwen-style ChatML Jinja template). Nothing is downloaded.
 - The same (arch, seed, sizes) always gives the same tokenizer and the same weights.
 - `tokenizer_config.json` names `PreTrainedTokenizerFast` (no `backend` key) so transformers 4.x
   readers load it too. Every file is mode 0644 (safetensors writes 0600). Caveat: for `qwen2`,
@@ -30,6 +31,18 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+# A Qwen-style ChatML template (Jinja): `<|im_start|>role\ncontent<|im_end|>\n` per message, the
+# assistant header as generation prompt, and Qwen3's `enable_thinking=False` empty think block.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+ChatTemplate = Literal["simple", "chatml"]
 _WORDS = (  # noqa: SIM905 - one readable string
     "the a an and or not is are was be to of in on at for with as by it this that yes no true false "
     "one two three four five six seven eight nine ten zero plus minus times equals sum answer "
@@ -52,7 +65,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer(vocab_size: int, model_max_length: int):  # -> PreTrainedTokenizerFast
+def _train_tokenizer(
+    vocab_size: int, model_max_length: int, chat_template: ChatTemplate = "simple"
+):  # -> PreTrainedTokenizerFast
     from tokenizers import (  # tokenizers: only when a model is written
         Tokenizer,
         decoders,
@@ -66,9 +81,10 @@ def _train_tokenizer(vocab_size: int, model_max_length: int):  # -> PreTrainedTo
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    chatml = chat_template == "chatml"
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS],
+        special_tokens=[PAD, BOS, EOS, *((IM_START, IM_END) if chatml else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -84,7 +100,8 @@ def _train_tokenizer(vocab_size: int, model_max_length: int):  # -> PreTrainedTo
         pad_token=PAD,
         padding_side="left",
         model_max_length=model_max_length,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHATML_TEMPLATE if chatml else CHAT_TEMPLATE,
+        **({"additional_special_tokens": [IM_START, IM_END]} if chatml else {}),
     )
 
 
@@ -146,8 +163,13 @@ def make_tiny_model(
     num_kv_heads: int = 2,
     max_position_embeddings: int = 1024,
     max_shard_size: str | int | None = None,
+    chat_template: ChatTemplate = "simple",
 ) -> Path:
-    """Write a tiny HF causal LM snapshot + tokenizer into `out` (created if missing); return `out`."""
+    """Write a tiny HF causal LM snapshot + tokenizer into `out` (created if missing); return `out`.
+
+    `chat_template="chatml"` gives the tokenizer a Qwen-style ChatML Jinja template (with
+    `<|im_start|>`/`<|im_end|>` as special tokens 3 and 4) instead of the plain `role: content` one.
+    """
     import torch  # torch: slow import, only when a model is written
     from transformers import (  # transformers: slow import, only when a model is written
         AutoModelForCausalLM,
@@ -156,7 +178,7 @@ def make_tiny_model(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(min(vocab_size, 300), max_position_embeddings)
+    tokenizer = _train_tokenizer(min(vocab_size, 300), max_position_embeddings, chat_template)
     if len(tokenizer) > vocab_size:
         raise ValueError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     config = _config(

@@ -3,7 +3,8 @@
     admit → export → check → [fleet lock: pin → generate] → score → log;  finally: retire
 
 Outcomes: Completed (measured); Completed named "Skipped" with the reason as message (an
-`EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation, ...);
+`EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation,
+reward_unavailable, ...);
 Failed on an unexpected error, after recording `skipped_crashed` at the step. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
@@ -158,7 +159,11 @@ def _measure(
             pin_fleet(cfg.fleet, str(snapshot.local_path), version)
         else:
             verify_shared(cfg.fleet, version)
-        generations = generate(cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}")
+        # chat templates come from the pinned snapshot's tokenizer; shared: the engines' model
+        tokenizer_dir = str(snapshot.local_path) if snapshot is not None else cfg.fleet.model_path
+        generations = generate(
+            cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", tokenizer_dir=tokenizer_dir
+        )
     return score(generations, datasets, cfg.suite.suite, run, step)
 
 

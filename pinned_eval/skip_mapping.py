@@ -7,6 +7,7 @@
 | `GenerateRejected` with a 5xx status                        | `unhealthy`                     |
 | `GenerateRejected` with a 4xx status (a malformed request)  | not a skip: a bug, it propagates|
 | `GenerationAborted`, any other `FleetError`, `httpx.TransportError` | `unhealthy`             |
+| `RemoteRewardError` (a scoring service gave no reward)     | `reward_unavailable`            |
 | anything else                                               | not a skip (the point crashes)  |
 
 `fleet_skips(context, as_type=...)` applies it to a block of code: a mapped exception is re-raised
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 import httpx
 
 from pinned_eval.fleet.errors import FleetError, GenerateRejected, WeightVersionMismatch
+from pinned_eval.scoring.remote import RemoteRewardError
 from pinned_eval.skips import EvalSkipped, SkipReason
 
 
@@ -29,6 +31,8 @@ def skip_for(exc: BaseException) -> tuple[str, str] | None:
     """(reason, message) of the skip `exc` stands for, or None when it is not a skip."""
     if isinstance(exc, EvalSkipped):
         return exc.reason, exc.message
+    if isinstance(exc, RemoteRewardError):
+        return SkipReason.REWARD_UNAVAILABLE.value, str(exc)
     if isinstance(exc, WeightVersionMismatch):
         return SkipReason.PIN_VIOLATION.value, str(exc)
     if isinstance(exc, GenerateRejected) and exc.status_code < 500:

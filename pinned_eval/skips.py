@@ -20,6 +20,7 @@ class SkipReason(StrEnum):
     CKPT_MISSING = "ckpt_missing"
     UNHEALTHY = "unhealthy"
     PIN_VIOLATION = "pin_violation"
+    REWARD_UNAVAILABLE = "reward_unavailable"  # the remote scoring service gave no reward
     CRASHED = "crashed"
 
 

@@ -6,30 +6,32 @@ Contract:
   `--rollout-*` args). `EvalSuite.resolved()` returns `ResolvedDataset`s with every field concrete.
 - Dataset paths: absolute, relative (resolved against `EvalSuite.base_dir`, else the working
   directory), or `builtin:<file>` (a file shipped in `pinned_eval/datasets/`).
-- `EvalSuite.from_miles_yaml` accepts miles' eval YAML (`eval: {defaults, datasets}`; datasets a
-  list or a name → mapping) and maps miles key names; keys pinned-eval does not implement are
-  rejected by name rather than silently ignored.
+- `EvalSuite.from_miles_yaml` accepts miles' eval YAML (`eval: {defaults, datasets, delegate}`;
+  datasets a list or a name → mapping) and maps miles key names (`pinned_eval.miles_config`);
+  keys pinned-eval does not implement are rejected by key path rather than silently ignored.
+- Prompts are rendered for the engine by `pinned_eval.prompts` (chat template, system prompt).
 - Dataset rows are loaded by `pinned_eval.scoring.loader.load_dataset` (re-exported here).
 This module imports nothing heavy (no Prefect, no torch).
 """
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
 from pinned_eval.scoring.loader import DatasetError, EvalSample, load_dataset
-from pinned_eval.scoring.rewards import check_reward_name
+from pinned_eval.scoring.remote import RemoteRewardConfig
+from pinned_eval.scoring.rewards import REMOTE_REWARD, check_reward_name
 
 __all__ = [
     "DatasetError",
     "DatasetSpec",
     "EvalSample",
     "EvalSuite",
+    "RemoteRewardConfig",
     "ResolvedDataset",
     "SamplingDefaults",
     "SamplingFallbacks",
@@ -69,13 +71,28 @@ class _SamplingFields(BaseModel):
     )
     stop: tuple[str, ...] | None = Field(default=None, description="Stop strings passed to the engine.")
     reward: RewardName | None = Field(
-        default=None, description="Reward: 'exact_match' | 'math' | 'f1' | 'custom:<module:function>'."
+        default=None,
+        description="Reward: exact_match | math | f1 | deepscaler | dapo | gpqa | remote_rm | custom:<mod:fn>.",
     )
     max_prompts: int | None = Field(
         default=None, ge=1, description="Use only the first N prompts of the file."
     )
     apply_chat_template: bool | None = Field(
         default=None, description="Render prompts with the model's chat template (fallback False)."
+    )
+    apply_chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra keywords of the chat template (e.g. enable_thinking: false)."
+    )
+    system_prompt: str | None = Field(
+        default=None, description="System message put first in templated prompts that have none."
+    )
+    metadata_key: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Row key of a metadata object (fallback: every column but prompt and label).",
+    )
+    metadata_overrides: dict[str, Any] | None = Field(
+        default=None, description="Keys set on every row's metadata (miles metadata_overrides)."
     )
 
 
@@ -110,6 +127,12 @@ class SamplingFallbacks(BaseModel):
     reward: RewardName = Field(default="exact_match", description="Reward function name.")
     max_prompts: int | None = Field(default=None, ge=1, description="Prompt cap; None uses all prompts.")
     apply_chat_template: bool = Field(default=False, description="Render prompts with the chat template.")
+    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Chat template keywords.")
+    system_prompt: str | None = Field(default=None, description="System message of templated prompts.")
+    metadata_key: str | None = Field(
+        default=None, description="Row key of a metadata object; None: every other column is metadata."
+    )
+    metadata_overrides: dict[str, Any] = Field(default_factory=dict, description="Keys set on every row's metadata.")
 
 
 class ResolvedDataset(BaseModel):
@@ -130,6 +153,10 @@ class ResolvedDataset(BaseModel):
     reward: RewardName = Field(description="Reward function name (see pinned_eval.scoring.rewards).")
     max_prompts: int | None = Field(description="Prompt cap; None uses all prompts.")
     apply_chat_template: bool = Field(description="Render prompts with the chat template.")
+    apply_chat_template_kwargs: dict[str, Any] = Field(description="Chat template keywords.")
+    system_prompt: str | None = Field(description="System message of templated prompts.")
+    metadata_key: str | None = Field(description="Row key of a metadata object, or None (other columns).")
+    metadata_overrides: dict[str, Any] = Field(description="Keys set on every row's metadata.")
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang native `/generate` sampling_params for this dataset."""
@@ -143,6 +170,7 @@ class ResolvedDataset(BaseModel):
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class EvalSuite(BaseModel):
@@ -167,6 +195,9 @@ class EvalSuite(BaseModel):
         default=None,
         description="Directory relative dataset paths resolve against; None = working directory.",
     )
+    remote_reward: RemoteRewardConfig | None = Field(
+        default=None, description="Scoring service of datasets whose reward is 'remote_rm' (miles --rm-url)."
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> EvalSuite:
@@ -174,6 +205,13 @@ class EvalSuite(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"datasets: duplicate dataset name(s) {dupes}")
+        return self
+
+    @model_validator(mode="after")
+    def _remote_reward_configured(self) -> EvalSuite:
+        remote = [ds.name for ds in self.resolved() if ds.reward == REMOTE_REWARD]
+        if remote and self.remote_reward is None:
+            raise ValueError(f"remote_reward: datasets {remote} use reward 'remote_rm' but no remote_reward is set")
         return self
 
     def resolved(self) -> list[ResolvedDataset]:
@@ -207,120 +245,40 @@ class EvalSuite(BaseModel):
         fallbacks: SamplingFallbacks | None = None,
         pass_at_k: bool = False,
         base_dir: str | None = None,
+        remote_reward: RemoteRewardConfig | None = None,
     ) -> EvalSuite:
-        """Load miles' eval config: a file path, YAML/JSON text, or `base64:<payload>`.
+        """Load miles' eval config: a file path, YAML/JSON text, or `base64:<payload>`
+        (`pinned_eval.miles_config` says what is accepted and what is refused, by key path).
 
         Relative dataset paths resolve against the file's directory (or `base_dir` when given).
+        `remote_reward` is miles' `--rm-url` (+ client limits), needed by `rm_type: remote_rm`.
         """
-        text, file_dir = _read_config_source(path_or_text)
-        try:
-            root = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"eval config is not valid YAML: {exc}") from exc
-        if not isinstance(root, dict):
-            raise ValueError("eval config: root must be a mapping")
-        cfg = root.get("eval", root)
-        if not isinstance(cfg, dict):
-            raise ValueError("eval: must be a mapping")
-        unknown = sorted(set(cfg) - {"defaults", "datasets"})
-        if unknown:
-            raise ValueError(f"eval: unsupported key(s) {unknown}; expected 'defaults' and 'datasets'")
-        raw_defaults = cfg.get("defaults") or {}
-        if not isinstance(raw_defaults, dict):
-            raise ValueError("eval.defaults: must be a mapping")
-        datasets = [
-            _map_miles_keys(f"eval.datasets[{i}]", entry) for i, entry in enumerate(_dataset_entries(cfg))
-        ]
+        cfg = parse_miles_eval_config(path_or_text)
+        datasets = tuple(_from_yaml(DatasetSpec, w, d) for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True))
         try:
             return cls(
-                datasets=tuple(DatasetSpec(**d) for d in datasets),
-                defaults=SamplingDefaults(**_map_miles_keys("eval.defaults", raw_defaults)),
+                datasets=datasets,
+                defaults=_from_yaml(SamplingDefaults, cfg.defaults_path, cfg.defaults),
                 fallbacks=fallbacks or SamplingFallbacks(),
                 pass_at_k=pass_at_k,
-                base_dir=base_dir or file_dir,
+                base_dir=base_dir or cfg.file_dir,
+                remote_reward=remote_reward,
             )
         except ValidationError as exc:
             raise ValueError(f"eval config: {exc}") from exc
 
 
-# miles key -> pinned-eval field (identity keys included so our own names are accepted too).
-_MILES_KEYS = {
-    "name": "name",
-    "path": "path",
-    "input_key": "input_key",
-    "label_key": "label_key",
-    "n_samples_per_eval_prompt": "n_samples_per_prompt",
-    "n_samples_per_prompt": "n_samples_per_prompt",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "max_response_len": "max_new_tokens",
-    "max_new_tokens": "max_new_tokens",
-    "stop": "stop",
-    "rm_type": "reward",
-    "reward": "reward",
-    "max_prompts": "max_prompts",
-    "apply_chat_template": "apply_chat_template",
-}
-# miles rm_type -> pinned-eval reward (miles' math rewards already grade the \boxed{} answer).
-_MILES_RM_TYPES = {"math": "math", "boxed_math": "math", "f1": "f1", "exact_match": "exact_match"}
-
-
-def _read_config_source(source: str | Path) -> tuple[str, str | None]:
-    if isinstance(source, Path):
-        return source.read_text(encoding="utf-8"), str(source.absolute().parent)
-    if source.startswith("base64:"):
-        return base64.b64decode(source.removeprefix("base64:")).decode("utf-8"), None
-    path = Path(source).expanduser()
-    if "\n" not in source and (source.endswith((".yaml", ".yml", ".json")) or path.is_file()):
-        if not path.is_file():
-            raise FileNotFoundError(f"eval config file not found: {path}")
-        return path.read_text(encoding="utf-8"), str(path.absolute().parent)
-    return source, None
-
-
-def _dataset_entries(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    raw = cfg.get("datasets")
-    if raw is None or raw == [] or raw == {}:
-        raise ValueError("eval.datasets: no datasets configured")
-    if isinstance(raw, dict):  # mapping name -> fields (name injected)
-        entries = []
-        for name, fields in raw.items():
-            if not isinstance(fields, dict):
-                raise ValueError(f"eval.datasets.{name}: must be a mapping")
-            entries.append({**fields, "name": str(name)})
-        return entries
-    if not isinstance(raw, list):
-        raise ValueError("eval.datasets: must be a list or a mapping")
-    for i, entry in enumerate(raw):
-        if not isinstance(entry, dict):
-            raise ValueError(f"eval.datasets[{i}]: must be a mapping")
-        if "name" not in entry:
-            raise ValueError(f"eval.datasets[{i}].name: required")
-    return raw
-
-
-def _map_miles_keys(where: str, entry: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in entry.items():
-        field = _MILES_KEYS.get(key)
-        if field is None:
-            raise ValueError(
-                f"{where}.{key}: key not supported by pinned-eval (known: {sorted(_MILES_KEYS)})"
-            )
-        if field in out:
-            raise ValueError(f"{where}.{key}: sets '{field}' twice")
-        if key == "rm_type" and value is not None:
-            if value not in _MILES_RM_TYPES:
-                raise ValueError(
-                    f"{where}.rm_type: {value!r} not supported (supported: {sorted(_MILES_RM_TYPES)}; "
-                    "use reward: 'custom:<module:function>' for others)"
-                )
-            value = _MILES_RM_TYPES[value]
-        if key == "stop" and isinstance(value, str):
-            value = [value]
-        out[field] = value
-    return out
+def _from_yaml(model: type[_M], where: str, fields: dict[str, Any]) -> _M:
+    """Validate one YAML section; errors name its key path (`eval.datasets[1].top_p: ...`)."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{MilesEvalConfig.key_path(where, '.'.join(map(str, e['loc'])))}: {e['msg']} "
+            f"(got {e.get('input')!r:.60})"
+            for e in exc.errors()
+        )
+        raise ValueError(problems) from exc
 
 
 def default_suite(*, with_pass_at_k: bool = False) -> EvalSuite:

@@ -1,6 +1,9 @@
 """Generate task: every dataset of the suite, concurrently, through the pinned fleet's router.
 
-Contract: one request per (prompt, sample) with a deterministic `sampling_seed` and `rid`; the
+Contract: prompts are rendered by `pinned_eval.prompts.PromptRenderer` with the tokenizer of the
+pinned checkpoint (`tokenizer_dir`), all before the first request (a bad template or message-list
+prompt fails the point with a `PromptError` naming the dataset, before any generation). One
+request per (prompt, sample) with a deterministic `sampling_seed` and `rid`; the
 fleet client bounds requests in flight (the fleet's request concurrency), retries `abort`
 finishes and refuses any response whose `weight_version` is not the pinned one. Failures map to
 skips: a response from other weights → `pin_violation`; a fleet that stops serving (transport
@@ -21,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from blocks.fleet import FleetBlock
 from pinned_eval.fleet.client import FleetClient
+from pinned_eval.prompts import PromptRenderer, RenderedPrompt
 from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
 
@@ -33,7 +37,9 @@ class Generation(BaseModel):
     dataset: str
     prompt_index: int
     sample_index: int
+    prompt: str
     label: str
+    metadata: dict[str, Any]
     response: str
     response_len: int
     finish_reason: str | None
@@ -64,13 +70,16 @@ def _sampling(ds: ResolvedDataset, seed: int) -> dict[str, Any]:
 
 
 async def _one(
-    client: FleetClient, ds: ResolvedDataset, sample: EvalSample, j: int, rid: str, version: str
+    client: FleetClient,
+    ds: ResolvedDataset,
+    sample: EvalSample,
+    prompt: RenderedPrompt,
+    j: int,
+    rid: str,
+    version: str,
 ) -> Generation:
-    prompt = sample.prompt
-    if not isinstance(prompt, str):
-        raise ValueError(f"dataset {ds.name} row {sample.index}: chat-message prompts need apply_chat_template")
     result = await client.generate(
-        prompt,
+        **prompt.request(),
         sampling_params=_sampling(ds, seed=sample.index * 1000 + j),
         rid=rid,
         expected_version=version,
@@ -79,7 +88,9 @@ async def _one(
         dataset=ds.name,
         prompt_index=sample.index,
         sample_index=j,
+        prompt=prompt.text,
         label=str(sample.label),
+        metadata=sample.metadata,
         response=result.text,
         response_len=result.meta_info.completion_tokens,
         finish_reason=result.finish_type,
@@ -93,13 +104,17 @@ async def _generate_all(
     rows: dict[str, list[EvalSample]],
     version: str,
     rid_prefix: str,
+    tokenizer_dir: str | None,
 ) -> list[Generation]:
+    renderer = PromptRenderer(tokenizer_dir)
+    prompts = {(ds.name, s.index): renderer.render(ds, s) for ds in datasets for s in rows[ds.name]}
     work = [(ds, s, j) for ds in datasets for s in rows[ds.name] for j in range(ds.n_samples_per_prompt)]
     progress = _Progress(len(work), rid_prefix)
     async with fleet.client() as client:
 
         async def run(ds: ResolvedDataset, s: EvalSample, j: int) -> Generation:
-            out = await _one(client, ds, s, j, f"{rid_prefix}-{ds.name}-{s.index}-{j}", version)
+            rid = f"{rid_prefix}-{ds.name}-{s.index}-{j}"
+            out = await _one(client, ds, s, prompts[ds.name, s.index], j, rid, version)
             progress.tick()
             return out
 
@@ -119,6 +134,9 @@ def generate(
     rows: dict[str, list[EvalSample]],
     weight_version: str,
     rid_prefix: str,
+    tokenizer_dir: str | None = None,
 ) -> list[Generation]:
+    """`tokenizer_dir`: the pinned checkpoint (fleet posture) or the engines' model (shared);
+    only read when a dataset applies the chat template."""
     with fleet_skips():  # pinned_eval.skip_mapping: other weights → pin_violation, a failing fleet → unhealthy
-        return asyncio.run(_generate_all(fleet, datasets, rows, weight_version, rid_prefix))
+        return asyncio.run(_generate_all(fleet, datasets, rows, weight_version, rid_prefix, tokenizer_dir))

@@ -1,21 +1,25 @@
 """Score task: rewards per sample and the DESIGN §6 metrics per dataset.
 
 Contract: a reward function that raises propagates (the point crashes: `skipped_crashed`,
-Failed run); a reward returning None counts in `-none_reward_ratio`. Weight-version metrics are
-computed against the pinned version, so `weight_version/mean == step` and
+Failed run); a reward returning None counts in `-none_reward_ratio`. Rewards get the row's
+metadata; `remote_rm` posts to the suite's scoring service, and a service that gives no reward
+after its retries (`RemoteRewardError`) skips the point as `reward_unavailable` — never a 0
+score. Weight-version metrics are computed against the pinned version, so `weight_version/mean == step` and
 `mixed_version_ratio == 0` prove the pin.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from pinned_eval.external import DatasetResult
-from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
-from pinned_eval.scoring.rewards import get_reward
+from pinned_eval.scoring.metrics import LENGTH_FINISH_REASON, ScoredSample, dataset_metrics
+from pinned_eval.scoring.remote import RewardItem, score_responses
+from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.suite import EvalSuite, ResolvedDataset
 from tasks.external import record_point_samples
 from tasks.generate import Generation
@@ -33,19 +37,21 @@ def score(
         by_ds[g.dataset].append(g)
     out, samples = {}, {}
     for ds in datasets:
-        reward = get_reward(ds.reward)
+        gens = by_ds[ds.name]
+        items = [RewardItem(g.prompt, g.response, g.label, g.metadata) for g in gens]
+        with fleet_skips(f"dataset {ds.name!r}"):  # a scoring service that gives no reward → reward_unavailable
+            rewards = asyncio.run(score_responses(ds.reward, items, suite.remote_reward))
         scored = [
-            ScoredSample.score(
-                reward,
+            ScoredSample(
                 prompt_index=g.prompt_index,
                 sample_index=g.sample_index,
                 response=g.response,
-                label=g.label,
                 response_len=g.response_len,
-                finish_reason=g.finish_reason,
+                reward=reward,
+                truncated=g.finish_reason == LENGTH_FINISH_REASON,
                 weight_version=g.weight_version,
             )
-            for g in by_ds[ds.name]
+            for g, reward in zip(gens, rewards, strict=True)
         ]
         samples[ds.name] = DatasetResult.from_scored(scored)
         out[ds.name] = dataset_metrics(

@@ -11,10 +11,12 @@ come from `PINNED_EVAL_EXTERNAL_*` variables, like miles' `MILES_EXTERNAL_EVAL_*
   `EvalSkip("unhealthy")`; a launched one that exits → `LaunchError`, a crash), then pin with the
   fleet client's one pin-and-read-back (`FleetClient.pin`): load `update_weights_from_disk` with
   `weight_version`, read back `/model_info`; accept only `weight_version == str(step)` and
-  `model_path == checkpoint_dir`; 2 attempts, then `EvalSkip("pin_violation")`. Then generate
-  every dataset (n samples per prompt, deterministic `sampling_seed`, abort finishes retried) and
-  score with the suite's rewards. Errors map to skips as `pinned_eval.skip_mapping` says: a
-  response from other weights → `pin_violation`; a server that stops serving → `unhealthy`.
+  `model_path == checkpoint_dir`; 2 attempts, then `EvalSkip("pin_violation")`. Then render every
+  prompt (`pinned_eval.prompts`, chat template from the checkpoint's tokenizer), generate every
+  dataset (n samples per prompt, deterministic `sampling_seed`, abort finishes retried) and score
+  with the suite's rewards. Errors map to skips as `pinned_eval.skip_mapping` says: a response
+  from other weights → `pin_violation`; a server that stops serving → `unhealthy`; a remote
+  reward service that gives no reward → `reward_unavailable`.
 - `dispose()` stops the process group it launched (by recorded PID and start time), never an
   attached server. Idempotent.
 `history` records every pin attempt and generate count, for logs and tests.
@@ -41,7 +43,7 @@ from pinned_eval.external import (
     EvalSkip,
 )
 from pinned_eval.fleet.client import FleetClient, FleetConfig
-from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
+from pinned_eval.fleet.generate import GenerateResult, RouterGenerator, build_generate_body
 from pinned_eval.fleet.launcher import cpu_engine_specs
 from pinned_eval.fleet.models import EngineCheck, EngineInfo, normalize_path, normalize_url
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
@@ -56,8 +58,9 @@ from pinned_eval.processes import (
     start_process,
     stop_process,
 )
-from pinned_eval.scoring.metrics import ScoredSample
-from pinned_eval.scoring.rewards import get_reward
+from pinned_eval.prompts import PromptRenderer
+from pinned_eval.scoring.metrics import LENGTH_FINISH_REASON, ScoredSample
+from pinned_eval.scoring.remote import RewardItem, score_responses
 from pinned_eval.settings import Settings
 from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.skips import SkipReason
@@ -195,7 +198,7 @@ class SGLangCheckpointEval(CheckpointEvalFn):
         async with httpx.AsyncClient(timeout=timeout) as http:
             await self._wait_healthy(http)
             await self._pin(checkpoint_dir, input.weight_version)
-            data = await self._generate_all(http, input)
+            data = await self._generate_all(http, checkpoint_dir, input)
         return EvalResults(data=data)
 
     def dispose(self) -> None:
@@ -251,7 +254,9 @@ class SGLangCheckpointEval(CheckpointEvalFn):
 
     # ---- generate and score ------------------------------------------------------------
 
-    async def _generate_all(self, http: httpx.AsyncClient, input: EvalInput) -> dict[str, DatasetResult]:
+    async def _generate_all(
+        self, http: httpx.AsyncClient, checkpoint_dir: str, input: EvalInput
+    ) -> dict[str, DatasetResult]:
         gen = RouterGenerator(
             http,
             self.url,
@@ -261,33 +266,41 @@ class SGLangCheckpointEval(CheckpointEvalFn):
         )
         version = input.weight_version
         with fleet_skips(f"{self.url} pinned to {version}", as_type=EvalSkip):
-            results = await asyncio.gather(*(self._dataset(gen, ds, input) for ds in input.datasets))
+            renderer = PromptRenderer(checkpoint_dir)
+            results = await asyncio.gather(*(self._dataset(gen, ds, input, renderer) for ds in input.datasets))
         return {ds.name: res for ds, res in zip(input.datasets, results, strict=True)}
 
-    async def _dataset(self, gen: RouterGenerator, ds: ResolvedDataset, input: EvalInput) -> DatasetResult:
-        reward = get_reward(ds.reward)
+    async def _dataset(
+        self, gen: RouterGenerator, ds: ResolvedDataset, input: EvalInput, renderer: PromptRenderer
+    ) -> DatasetResult:
         rows = load_dataset(ds)
+        prompts = {s.index: renderer.render(ds, s) for s in rows}  # every row renders before any request
         prefix = f"{input.run}-{input.step}-ext-{ds.name}"
 
-        async def one(sample: EvalSample, j: int) -> ScoredSample:
-            if not isinstance(sample.prompt, str):
-                raise ValueError(f"dataset {ds.name} row {sample.index}: chat-message prompts need apply_chat_template")
+        async def one(sample: EvalSample, j: int) -> tuple[EvalSample, int, GenerateResult]:
             params = ds.sampling_params() | {"sampling_seed": sample.index * 1000 + j}
             if not params.get("stop"):
                 params.pop("stop")
-            body = build_generate_body(sample.prompt, sampling_params=params, rid=f"{prefix}-{sample.index}-{j}")
+            body = build_generate_body(
+                **prompts[sample.index].request(), sampling_params=params, rid=f"{prefix}-{sample.index}-{j}"
+            )
             result = await gen.generate(body, input.weight_version)
             self.history.generated += 1
-            return ScoredSample.score(
-                reward,
-                prompt_index=sample.index,
-                sample_index=j,
-                response=result.text,
-                label=str(sample.label),
-                response_len=result.meta_info.completion_tokens,
-                finish_reason=result.finish_type,
-                weight_version=result.meta_info.weight_version,
-            )
+            return sample, j, result
 
-        scored = await asyncio.gather(*(one(s, j) for s in rows for j in range(ds.n_samples_per_prompt)))
-        return DatasetResult.from_scored(list(scored))
+        done = await asyncio.gather(*(one(s, j) for s in rows for j in range(ds.n_samples_per_prompt)))
+        items = [RewardItem(prompts[s.index].text, r.text, str(s.label), s.metadata) for s, _, r in done]
+        rewards = await score_responses(ds.reward, items, input.suite.remote_reward)  # none → reward_unavailable
+        scored = [
+            ScoredSample(
+                prompt_index=s.index,
+                sample_index=j,
+                response=r.text,
+                response_len=r.meta_info.completion_tokens,
+                reward=reward,
+                truncated=r.finish_type == LENGTH_FINISH_REASON,
+                weight_version=r.meta_info.weight_version,
+            )
+            for (s, j, r), reward in zip(done, rewards, strict=True)
+        ]
+        return DatasetResult.from_scored(scored)

@@ -5,7 +5,9 @@ Contract:
   `max_prompts` keeps the first N rows.
 - `prompt` is a string, or (only with `apply_chat_template`) a list of `{role, content}` messages.
 - `label` is a string; integer and float labels are converted with `str()` (JSON `7` -> "7").
-- `metadata` holds every other column of the row, unchanged.
+- `metadata`: with `metadata_key`, the row's object under that key (a mapping, or a JSON object
+  string as Parquet exports often hold; null is {}; the key must exist); without it, every other column of
+  the row, unchanged. `metadata_overrides` are then set on it (miles `inject_metadata`).
 - Any bad row raises `DatasetError` naming the file, the JSONL line (1-based) or Parquet row
   (0-based), and the offending key. Nothing is skipped silently.
 """
@@ -55,7 +57,7 @@ def load_dataset(spec: ResolvedDataset) -> list[EvalSample]:
     for where, row in rows:
         if spec.max_prompts is not None and len(samples) >= spec.max_prompts:
             break
-        samples.append(_to_sample(len(samples), f"{path}: {where}", row, spec))
+        samples.append(_to_sample(len(samples), f"dataset {spec.name!r}: {path}: {where}", row, spec))
     if not samples:
         raise DatasetError(f"{path}: dataset {spec.name!r} has no rows")
     return samples
@@ -107,8 +109,31 @@ def _to_sample(index: int, where: str, row: Any, spec: ResolvedDataset) -> EvalS
     label = row[spec.label_key]
     if isinstance(label, bool) or not isinstance(label, str | int | float):
         raise DatasetError(f"{where}: key {spec.label_key!r} must be a string or a number, got {label!r:.80}")
-    metadata = {k: v for k, v in row.items() if k not in (spec.input_key, spec.label_key)}
+    metadata = _metadata(where, row, spec)
     return EvalSample(index=index, prompt=prompt, label=str(label), metadata=metadata)
+
+
+def _metadata(where: str, row: dict[str, Any], spec: ResolvedDataset) -> dict[str, Any]:
+    if spec.metadata_key is None:
+        meta = {k: v for k, v in row.items() if k not in (spec.input_key, spec.label_key)}
+    else:
+        if spec.metadata_key not in row:
+            raise DatasetError(f"{where}: missing metadata key {spec.metadata_key!r} (has {sorted(row)})")
+        raw = row[spec.metadata_key]
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError:
+                raw = None
+        if raw is None and row[spec.metadata_key] is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise DatasetError(
+                f"{where}: key {spec.metadata_key!r} must be an object (or a JSON object string), "
+                f"got {row[spec.metadata_key]!r:.80}"
+            )
+        meta = dict(raw)
+    return {**meta, **spec.metadata_overrides}
 
 
 def _is_messages(value: Any) -> bool:

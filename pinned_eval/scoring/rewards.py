@@ -1,13 +1,18 @@
-"""Reward functions `(response, label) -> float | None` and their registry.
+"""Reward functions `(response, label, metadata=None) -> float | None` and their registry.
 
-Rules (each documented on its function):
+`metadata` is the row's metadata (see `pinned_eval.scoring.loader`); rewards that need it (e.g.
+`gpqa`) read it, the others ignore it. Rules (each documented on its function):
 - `exact_match`: 1.0 when the response's first token equals the label, else 0.0.
 - `math`: 1.0 when the last `\\boxed{...}` of the response equals the label after normalisation
   (strings, or numbers compared exactly as fractions), else 0.0; no `\\boxed{}` scores 0.0
   (miles' verl-style grader does the same).
 - `f1`: SQuAD token-level F1 in [0, 1].
-- `custom:<module:function>` or `custom:<module.function>`: any importable function with the same
-  signature. It must return a real number or None (None is counted as a none-reward by the
+- miles' rm types `deepscaler`, `dapo`, `gpqa`: see `pinned_eval.scoring.miles_rewards`.
+- `remote_rm`: a scoring service (miles' `--rm-url`); scored by `pinned_eval.scoring.remote`,
+  so `get_reward("remote_rm")` raises.
+- `custom:<module:function>` or `custom:<module.function>`: any importable function
+  `(response, label)` or `(response, label, metadata)` (a third parameter gets the row's
+  metadata). It must return a real number or None (None is counted as a none-reward by the
   metrics); anything else raises `RewardTypeError`. Exceptions it raises propagate unchanged —
   the eval-point flow turns them into a `crashed` point.
 `check_reward_name` validates a name's syntax without importing anything (custom modules may only
@@ -17,16 +22,25 @@ exist where the flow runs); `get_reward` imports and returns the callable.
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 import re
 import string
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from functools import lru_cache
+from typing import Any, Protocol
 
-RewardFn = Callable[[str, str], float | None]
+
+class RewardFn(Protocol):
+    """A reward: `metadata` is the row's metadata (optional for callers)."""
+
+    def __call__(self, response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float | None: ...
+
+
 CUSTOM_PREFIX = "custom:"
+REMOTE_REWARD = "remote_rm"
 _CUSTOM_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)$")
 
 
@@ -37,7 +51,7 @@ class RewardTypeError(TypeError):
 # ---------------------------------------------------------------------------- exact match
 
 
-def exact_match(response: str, label: str) -> float:
+def exact_match(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
     """1.0 iff the first whitespace-separated token of the response's first non-empty line equals
     the stripped label. So "7", " 7\\n3+4=7" and "7 is it" all match label "7"; "77" and "" do not.
     """
@@ -147,7 +161,7 @@ def _as_number(s: str) -> Fraction | None:
         return None
 
 
-def math_answer(response: str, label: str) -> float:
+def math_answer(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
     """1.0 iff the response's last `\\boxed{}` answer equals the label after
     `normalize_math_answer`, either as strings or as exact numbers (so `\\frac{1}{2}` == `0.5` ==
     `1/2`, `1,000` == `1000.0`); 0.0 when the response has no `\\boxed{}`."""
@@ -172,7 +186,7 @@ def normalize_f1_text(text: str) -> str:
     return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCT)).split())
 
 
-def f1(response: str, label: str) -> float:
+def f1(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
     """SQuAD token F1 between response and label; if either side has no tokens, 1.0 iff both empty."""
     pred, gold = normalize_f1_text(response).split(), normalize_f1_text(label).split()
     if not pred or not gold:
@@ -187,11 +201,14 @@ def f1(response: str, label: str) -> float:
 # ---------------------------------------------------------------------------- registry
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_answer, "f1": f1}
+# miles' rm types implemented in pinned_eval.scoring.miles_rewards (imported on first use)
+MILES_REWARDS = ("deepscaler", "dapo", "gpqa")
+REWARD_NAMES = (*BUILTIN_REWARDS, *MILES_REWARDS, REMOTE_REWARD)
 
 
 def check_reward_name(name: str) -> str:
     """Validate a reward name's syntax (no import); return it unchanged."""
-    if name in BUILTIN_REWARDS:
+    if name in REWARD_NAMES:
         return name
     if name.startswith(CUSTOM_PREFIX):
         if _CUSTOM_PATH.match(name.removeprefix(CUSTOM_PREFIX)):
@@ -199,9 +216,7 @@ def check_reward_name(name: str) -> str:
         raise ValueError(
             f"reward {name!r}: expected 'custom:<module:function>' or 'custom:<module.function>'"
         )
-    raise ValueError(
-        f"reward {name!r}: unknown (use one of {sorted(BUILTIN_REWARDS)} or 'custom:<module:function>')"
-    )
+    raise ValueError(f"reward {name!r}: unknown (use one of {sorted(REWARD_NAMES)} or 'custom:<module:function>')")
 
 
 @lru_cache(maxsize=64)
@@ -210,6 +225,13 @@ def get_reward(name: str) -> RewardFn:
     check_reward_name(name)
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    if name in MILES_REWARDS:
+        from pinned_eval.scoring import miles_rewards
+
+        fn: RewardFn = getattr(miles_rewards, name)
+        return fn
+    if name == REMOTE_REWARD:
+        raise ValueError("reward 'remote_rm' is scored by pinned_eval.scoring.remote.score_responses")
     dotted = name.removeprefix(CUSTOM_PREFIX)
     module_name, sep, attr = dotted.partition(":")
     if not sep:
@@ -218,15 +240,28 @@ def get_reward(name: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
+    custom = getattr(module, attr, None)
+    if not callable(custom):
         raise ValueError(f"reward {name!r}: {module_name!r} has no callable {attr!r}")
-    return _checked(name, fn)
+    return _checked(name, custom)
 
 
-def _checked(name: str, fn: Callable[[str, str], object]) -> RewardFn:
-    def reward(response: str, label: str) -> float | None:
-        value = fn(response, label)  # exceptions propagate: the flow records a crashed point
+def _takes_metadata(fn: Callable[..., object]) -> bool:
+    """True when `fn` accepts a third positional argument (or *args) for the row's metadata."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: call with two arguments
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _checked(name: str, fn: Callable[..., object]) -> RewardFn:
+    with_metadata = _takes_metadata(fn)
+
+    def reward(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float | None:
+        # exceptions propagate: the flow records a crashed point
+        value = fn(response, label, dict(metadata or {})) if with_metadata else fn(response, label)
         if value is None:
             return None
         if isinstance(value, numbers.Real) and value == value:  # numpy scalars too; excludes NaN

@@ -223,14 +223,14 @@ def test_miles_yaml_accepts_json_and_custom_reward() -> None:
             r"eval\.datasets\[0\]\.tool_key",
         ),
         (
-            "eval:\n  datasets:\n    - {name: a, path: a.jsonl, rm_type: dapo}\n",
+            "eval:\n  datasets:\n    - {name: a, path: a.jsonl, rm_type: ifbench}\n",
             r"eval\.datasets\[0\]\.rm_type",
         ),
         (
             "eval:\n  defaults: {min_new_tokens: 3}\n  datasets: {a: {path: a}}\n",
             r"eval\.defaults\.min_new_tokens",
         ),
-        ("eval:\n  datasets: {a: {path: a}}\n  interval: 3\n", r"unsupported key\(s\) \['interval'\]"),
+        ("eval:\n  datasets: {a: {path: a}}\n  interval: 3\n", r"eval\.interval: not supported"),
         ("eval:\n  datasets:\n    - {name: a, path: a, max_response_len: 4, max_new_tokens: 5}\n", "twice"),
         (
             "eval:\n  datasets:\n    - {name: a, path: a, n_samples_per_eval_prompt: 0}\n",

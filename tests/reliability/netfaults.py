@@ -4,7 +4,7 @@
   router). Rules pick requests by method and path and make them fail: `error` answers an S3-style
   5xx, `drop` closes the connection without an answer, `stall` holds the request until
   `release()`, then drops it (it is never forwarded). Every request is recorded (method, path,
-  what was done), so a test can count retries.
+  what was done, the request body), so a test can count retries or read what was sent.
   An optional `rewrite` hook changes upstream answers (an engine that misreports).
 - `ScriptedServer`: a misbehaving HTTP server answering canned responses per (method, path);
   it records what it was asked.
@@ -52,6 +52,7 @@ class Seen:
     method: str
     path: str
     action: str  # "pass" or the rule's action
+    body: bytes = b""  # the request body as received
 
 
 class _Server(ThreadingHTTPServer):
@@ -121,9 +122,9 @@ class FaultyHTTPProxy:
             for rule in self.rules:
                 if rule.matches(method, path, body):
                     rule.hits += 1
-                    self.requests.append(Seen(method, path, rule.action))
+                    self.requests.append(Seen(method, path, rule.action, body))
                     return rule.action
-            self.requests.append(Seen(method, path, "pass"))
+            self.requests.append(Seen(method, path, "pass", body))
             return "pass"
 
     def release(self) -> None:

@@ -1,0 +1,151 @@
+"""Remote reward (miles `remote_rm`) and the one entry point that scores a dataset's responses.
+
+Remote reward contract (`RemoteReward`):
+- one `POST <url>` per sample with JSON `{"prompt", "response", "label", "metadata"}` (miles sends
+  the first three; extra keys are ignored by its services); the answer is a JSON number, or an
+  object with a numeric `reward` or `score` (miles' `dapo`-style dicts), or `null` (no reward);
+- each request has its own timeout (`timeout_s`); at most `max_concurrency` requests are in
+  flight; connection errors, timeouts and HTTP 5xx/429 are retried with exponential backoff up to
+  `max_attempts` attempts in total;
+- when a sample still has no answer, or the service answers 4xx or a body that is not a reward,
+  `RemoteRewardError` is raised naming the URL, the sample and the last problem. It is never
+  turned into a score: the eval point records `eval/skipped_reward_unavailable`.
+
+`score_responses(reward, items, remote)` returns one reward per item (in order) for any reward
+name: built-in and custom rewards run in-process, `remote_rm` goes to the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from pinned_eval.scoring.rewards import REMOTE_REWARD, get_reward
+
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class RemoteRewardError(RuntimeError):
+    """The scoring service gave no usable reward for a sample (after retries, where retryable)."""
+
+
+class _Retryable(Exception):
+    """A transport error or retryable status; kept distinct so 4xx is never retried."""
+
+
+class RemoteRewardConfig(BaseModel):
+    """Where and how to call a scoring service (miles `--rm-url`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: HttpUrl = Field(description="Scoring endpoint; POSTed one JSON sample per request.")
+    timeout_s: float = Field(default=30.0, gt=0, description="Timeout of one request.")
+    max_concurrency: int = Field(default=16, ge=1, le=4096, description="Most requests in flight.")
+    max_attempts: int = Field(default=3, ge=1, le=20, description="Attempts per sample, first included.")
+    backoff_s: float = Field(default=0.5, ge=0, description="First retry wait; doubles, capped at 10 s.")
+
+
+@dataclass(frozen=True, slots=True)
+class RewardItem:
+    """One response to score."""
+
+    prompt: str
+    response: str
+    label: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+class RemoteReward:
+    """Scores items against a remote service (see the module docstring)."""
+
+    def __init__(self, config: RemoteRewardConfig) -> None:
+        self.config = config
+        self.url = str(config.url)
+
+    async def score(self, items: Sequence[RewardItem]) -> list[float | None]:
+        sem = asyncio.Semaphore(self.config.max_concurrency)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout_s)) as http:
+
+            async def one(i: int, item: RewardItem) -> float | None:
+                async with sem:
+                    return await self._one(http, i, item)
+
+            return list(await asyncio.gather(*(one(i, it) for i, it in enumerate(items))))
+
+    async def _one(self, http: httpx.AsyncClient, i: int, item: RewardItem) -> float | None:
+        payload = {
+            "prompt": item.prompt,
+            "response": item.response,
+            "label": item.label,
+            "metadata": dict(item.metadata),
+        }
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.max_attempts),
+            wait=wait_exponential(multiplier=self.config.backoff_s, max=10.0),
+            retry=retry_if_exception_type(_Retryable),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    resp = await self._post(http, payload)
+        except _Retryable as exc:
+            raise RemoteRewardError(
+                f"remote reward {self.url}: sample {i}: no answer after {self.config.max_attempts} "
+                f"attempt(s): {exc}"
+            ) from None
+        if resp.status_code >= 400:
+            raise RemoteRewardError(
+                f"remote reward {self.url}: sample {i}: HTTP {resp.status_code}: {resp.text[:200]}"
+            )
+        return self._parse(i, resp)
+
+    async def _post(self, http: httpx.AsyncClient, payload: dict[str, Any]) -> httpx.Response:
+        try:
+            resp = await http.post(self.url, json=payload)
+        except httpx.TransportError as exc:  # connect errors, timeouts, resets
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code in _RETRY_STATUS:
+            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        return resp
+
+    def _parse(self, i: int, resp: httpx.Response) -> float | None:
+        try:
+            body = resp.json()
+        except ValueError:
+            raise RemoteRewardError(
+                f"remote reward {self.url}: sample {i}: answer is not JSON: {resp.text[:200]!r}"
+            ) from None
+        value = body
+        if isinstance(body, dict):
+            value = body.get("reward", body.get("score", _MISSING))
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise RemoteRewardError(
+                f"remote reward {self.url}: sample {i}: expected a number, null, or "
+                f"{{'reward'|'score': number}}, got {body!r:.200}"
+            )
+        return float(value)
+
+
+_MISSING = object()
+
+
+async def score_responses(
+    reward: str, items: Sequence[RewardItem], remote: RemoteRewardConfig | None = None
+) -> list[float | None]:
+    """One reward per item, in order: `reward` names a built-in/custom reward or `remote_rm`."""
+    if reward == REMOTE_REWARD:
+        if remote is None:
+            raise ValueError("remote_reward: reward 'remote_rm' needs the suite's remote_reward (url, ...)")
+        return await RemoteReward(remote).score(items)
+    fn = get_reward(reward)
+    return [fn(it.response, it.label, it.metadata) for it in items]
