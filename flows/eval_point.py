@@ -106,7 +106,7 @@ def eval_point(
             rows = load_datasets(datasets)
             if posture is not Posture.SHARED:
                 assert source is not None
-                snapshot = export_snapshot(source, run, step, store)
+                snapshot = export_snapshot(source, run, step, store, cfg.fleet.lora_mode)
                 snapshot = check_snapshot_task(snapshot, store)
             per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
             exported = snapshot.export_time_seconds if snapshot else None
@@ -145,13 +145,14 @@ def _measure(
     if posture is Posture.EXTERNAL:
         assert snapshot is not None and backend is not None
         return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
+    lora = version if snapshot is not None and snapshot.adapter else None  # adapter mode: name it everywhere
     with fleet_lock(cfg.fleet.lock_name):
         if posture is Posture.FLEET:
             assert snapshot is not None
-            pin_fleet(cfg.fleet, str(snapshot.local_path), version)
+            pin_fleet(cfg.fleet, str(snapshot.local_path), version, snapshot.lora_base)
         else:
             verify_shared(cfg.fleet, version)
-        generations = generate(cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}")
+        generations = generate(cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", lora_path=lora)
     return score(generations, datasets, cfg.suite.suite, run, step)
 
 

@@ -70,7 +70,7 @@ def _sampling(ds: ResolvedDataset, seed: int) -> dict[str, Any]:
 
 
 async def _one(
-    client: FleetClient, ds: ResolvedDataset, sample: EvalSample, j: int, rid: str, version: str
+    client: FleetClient, ds: ResolvedDataset, sample: EvalSample, j: int, rid: str, version: str, lora: str | None
 ) -> Generation:
     prompt = sample.prompt
     if not isinstance(prompt, str):
@@ -80,6 +80,7 @@ async def _one(
         sampling_params=_sampling(ds, seed=sample.index * 1000 + j),
         rid=rid,
         expected_version=version,
+        lora_path=lora,
     )
     return Generation(
         dataset=ds.name,
@@ -99,13 +100,14 @@ async def _generate_all(
     rows: dict[str, list[EvalSample]],
     version: str,
     rid_prefix: str,
+    lora: str | None,
 ) -> list[Generation]:
     work = [(ds, s, j) for ds in datasets for s in rows[ds.name] for j in range(ds.n_samples_per_prompt)]
     progress = _Progress(len(work), rid_prefix)
     async with fleet.client() as client:
 
         async def run(ds: ResolvedDataset, s: EvalSample, j: int) -> Generation:
-            out = await _one(client, ds, s, j, f"{rid_prefix}-{ds.name}-{s.index}-{j}", version)
+            out = await _one(client, ds, s, j, f"{rid_prefix}-{ds.name}-{s.index}-{j}", version, lora)
             progress.tick()
             return out
 
@@ -125,9 +127,11 @@ def generate(
     rows: dict[str, list[EvalSample]],
     weight_version: str,
     rid_prefix: str,
+    lora_path: str | None = None,
 ) -> list[Generation]:
+    """`lora_path`: the adapter every request names (adapter mode: the weight version)."""
     try:
-        return asyncio.run(_generate_all(fleet, datasets, rows, weight_version, rid_prefix))
+        return asyncio.run(_generate_all(fleet, datasets, rows, weight_version, rid_prefix, lora_path))
     except WeightVersionMismatch as exc:
         raise EvalSkipped(SkipReason.PIN_VIOLATION, str(exc)) from exc
     except GenerateRejected as exc:
