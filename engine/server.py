@@ -303,13 +303,14 @@ def _generate_route(app: FastAPI) -> None:
             results = await _await_results(request, st.runner, seqs)
         finishes = sorted({r.finish_reason["type"] for r in results})
         log.info(
-            "generate rid=%s seqs=%d prompt_tokens=%d completion_tokens=%d finish=%s version=%s %.3fs",
+            "generate rid=%s seqs=%d prompt_tokens=%d completion_tokens=%d finish=%s version=%s lora=%s %.3fs",
             results[0].rid,
             len(results),
             sum(r.prompt_tokens for r in results),
             sum(r.completion_tokens for r in results),
             ",".join(finishes),
             results[0].weight_version,
+            ",".join(sorted({s.lora_name or "-" for s in seqs})),
             time.monotonic() - started,
         )
         outputs = [_output(r) for r in results]

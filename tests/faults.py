@@ -25,6 +25,14 @@ class RelabelingProxy:
             def _forward(self, method: str) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 proxy.record(method, self.path, body)
+                canned = proxy.intercept(self.path)
+                if canned is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(canned)))
+                    self.end_headers()
+                    self.wfile.write(canned)
+                    return
                 with httpx.Client(timeout=120) as http:
                     resp = http.request(
                         method, f"{engine_url}{self.path}", content=body, headers={"Content-Type": "application/json"}
@@ -53,6 +61,10 @@ class RelabelingProxy:
     def record(self, method: str, path: str, body: bytes) -> None:
         """Hook for subclasses: called with every request before it is forwarded."""
 
+    def intercept(self, path: str) -> bytes | None:
+        """Hook for subclasses: a JSON body to answer 200 with instead of forwarding, or None."""
+        return None
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -74,3 +86,12 @@ class RecordingProxy(RelabelingProxy):
     def bodies(self, path: str) -> list[object]:
         with self._lock:
             return [b for _, p, b in self.requests if p == path]
+
+
+class LoraLoadLiar(RecordingProxy):
+    """An engine that answers `/load_lora_adapter` with success but never loads the adapter."""
+
+    def intercept(self, path: str) -> bytes | None:
+        if path == "/load_lora_adapter":
+            return json.dumps({"success": True, "error_message": "", "loaded_adapters": {}}).encode()
+        return None

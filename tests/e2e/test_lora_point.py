@@ -14,7 +14,7 @@ from engine.tiny_model import make_tiny_adapter, make_tiny_model
 from flows.eval_point import eval_point
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.lora import write_adapter_snapshot
-from tests.faults import RecordingProxy
+from tests.faults import LoraLoadLiar, RecordingProxy
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks
 
 pytestmark = pytest.mark.e2e
@@ -153,3 +153,21 @@ def test_merged_mode_point_pins_a_full_merged_snapshot(
     assert (Path(staged) / "model.safetensors.index.json").exists()
     assert not (Path(staged) / "adapter_config.json").exists()
     assert {r.weight_version for r in JsonlSink(env.jsonl).read(env.run)} == {"5"}
+
+
+def test_an_engine_that_claims_a_load_it_did_not_do_is_a_pin_violation(
+    prefect_server: str, cpu_fleet: CpuFleet, proxies: list[RecordingProxy], tiny_model: Path, tmp_path: Path
+) -> None:
+    liar = LoraLoadLiar(cpu_fleet.engine_urls[0])
+    try:
+        fleet = FleetBlock(name="lora-liar", mode="attach", engine_urls=[liar.url, proxies[1].url],
+                           router_url=cpu_fleet.router_url)  # fmt: skip
+        env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
+        adapter = make_tiny_adapter(tiny_model, tmp_path / "adapter", seed=6)
+        state = _run(env, 6, {"kind": "lora", "path": str(adapter), "hf_base": str(tiny_model)})
+    finally:
+        liar.close()
+    assert state.name == "Skipped" and state.message.startswith("pin_violation"), state.message
+    assert f"{liar.url}: loaded adapters {{}}, expected only '6'" in state.message
+    assert len(liar.bodies("/load_lora_adapter")) == 2  # two attempts, then the skip
+    assert not any(str(b.get("rid")).startswith(f"{env.run}-") for p in (liar, *proxies) for b in p.bodies("/generate"))
