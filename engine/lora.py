@@ -80,8 +80,10 @@ class LoraHooks:
 
     def _hook(self, module_name: str, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
         rows = self.rows
-        if len(rows) != output.shape[0]:
+        if not any(r is not None for r in rows):
             return None
+        if len(rows) != output.shape[0]:  # the runner sets rows before every forward: a bug, never a skip
+            raise RuntimeError(f"LoRA rows: {len(rows)} adapters for a batch of {output.shape[0]}")
         groups: dict[int, tuple[LoraModule, list[int]]] = {}
         for i, adapter in enumerate(rows):
             m = adapter.modules.get(module_name) if adapter is not None else None

@@ -15,6 +15,10 @@
    (`missing_file` when one is gone; `bad_marker` when it is not a manifest). A bare (empty)
    marker, as miles writes, cannot name an export: it is stale when older than any shard/index.
 
+A PEFT LoRA adapter snapshot (`adapter=True`, or auto-detected by `adapter_config.json`) gets the
+same checks with `adapter_model.safetensors` (or `adapter_model.safetensors.index.json`) in the
+roles of the single file and the index, and `adapter_config.json` must exist (`missing_file`).
+
 It never raises on corrupt content (only on I/O errors of the store itself) and reads no tensor data.
 """
 

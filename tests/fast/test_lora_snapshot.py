@@ -110,3 +110,20 @@ def test_unsupported_adapter_configs_name_the_field(adapter: Path, tmp_path: Pat
         (bad / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
         with pytest.raises(AdapterError, match=rf"adapter_config\.json: .*{field}|adapter_config\.json: {field}"):
             read_adapter(bad)
+
+
+def test_a_trainers_peft_model_is_written_and_merged_like_peft(base: Path, tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft", reason="peft (dev extra) is the reference implementation")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "gate_proj"],
+                             init_lora_weights=False, use_rslora=True)  # fmt: skip
+    trained = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config).eval()
+    staged = write_adapter_snapshot(trained, str(tmp_path / "step_9"))
+    assert check_snapshot(staged).complete
+    assert len(read_adapter(staged).modules) == 3 * 2  # 3 targets x 2 layers
+    merged = AutoModelForCausalLM.from_pretrained(export_merged(staged, base, str(tmp_path / "merged")),
+                                                  dtype=torch.float32).eval()  # fmt: skip
+    ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))
+    assert (_logits(trained, ids) - _logits(merged, ids)).abs().max().item() <= 1e-5
