@@ -39,6 +39,7 @@ from pinned_eval.snapshot.layout import (
     ADAPTER_INDEX,
     ADAPTER_WEIGHTS,
     EXPORT_ID_KEY,
+    INDEX,
     MARKER,
     Manifest,
     join,
@@ -197,10 +198,16 @@ def merged_tensors(base: dict[str, torch.Tensor], adapter: LoraAdapter) -> Itera
 
 
 def _base_tensors(base_dir: Path) -> dict[str, torch.Tensor]:
-    from engine.weights import weight_files
-
+    """Every tensor of a local HF dir: the shards its index names, else its `*.safetensors`."""
+    index = base_dir / INDEX
+    if index.is_file():
+        files = [base_dir / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        files = sorted(base_dir.glob("*.safetensors"))
+    if not files:
+        raise AdapterError(f"hf_base: no safetensors weights in {base_dir}")
     out: dict[str, torch.Tensor] = {}
-    for path in weight_files(base_dir):
+    for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 out[name] = f.get_tensor(name)

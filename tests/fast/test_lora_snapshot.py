@@ -127,3 +127,13 @@ def test_a_trainers_peft_model_is_written_and_merged_like_peft(base: Path, tmp_p
                                                   dtype=torch.float32).eval()  # fmt: skip
     ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))
     assert (_logits(trained, ids) - _logits(merged, ids)).abs().max().item() <= 1e-5
+
+
+def test_a_sharded_base_merges_to_the_same_tensors(base: Path, adapter: Path, tmp_path: Path) -> None:
+    sharded = make_tiny_model(tmp_path / "sharded", max_shard_size="100KB")  # same seed: same weights
+    assert (sharded / "model.safetensors.index.json").exists()
+    a = Path(export_merged(adapter, base, str(tmp_path / "a")))
+    b = Path(export_merged(adapter, sharded, str(tmp_path / "b"), max_shard_bytes=64 * 1024))
+    ta = {k: v for f in sorted(a.glob("*.safetensors")) for k, v in load_file(f).items()}
+    tb = {k: v for f in sorted(b.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
