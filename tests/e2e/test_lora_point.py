@@ -98,6 +98,8 @@ def test_adapter_mode_points_measure_exactly_their_adapter(
         with_adapter = http.post(f"{engine}/generate", json={**body, "lora_path": "4"}).json()
         base = http.post(f"{engine}/generate", json=body).json()
         assert with_adapter["output_ids"] != base["output_ids"]
+        unknown = http.post(f"{engine}/generate", json={**body, "lora_path": "3"})  # unloaded by point 4
+        assert unknown.status_code == 400 and "lora_path" in unknown.json()["error"]
 
     # retired like any snapshot: keep-ring of 1 -> step 3's adapter deleted, step 4's kept and marked
     assert not Path(_staging_path(env, 3)).exists()
