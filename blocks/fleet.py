@@ -1,7 +1,9 @@
 """Fleet block: the engines an eval point pins, attached by URL or launched by pinned-eval.
 
 Invariants: control calls (load, read-back) go to each engine directly, data calls through the
-router; a launched fleet keeps a state file so any process (a flow run, the janitor) can revive
+router; `lora_mode` is here (not in the suite) because it is how the engines serve weights: an
+adapter-mode SGLang fleet is launched with LoRA enabled and keeps the base resident; a launched
+fleet keeps a state file so any process (a flow run, the janitor) can revive
 its engines; the fleet's name names its pin lock, the global concurrency limit `fleet-<name>`.
 """
 
@@ -65,6 +67,20 @@ class FleetBlock(Block):
     model_path: str | None = Field(
         default=None, description="Checkpoint launched engines boot from (launch mode); every pin reloads."
     )
+    lora_mode: Literal["adapter", "merged"] = Field(
+        default="adapter",
+        description=(
+            "How points with a LoRA source are served: `adapter` keeps the base weights and loads each "
+            "adapter with /load_lora_adapter (SGLang needs --enable-lora, see `lora_max_rank`); `merged` "
+            "merges adapter into base at export and pins the full snapshot."
+        ),
+    )
+    lora_max_rank: int | None = Field(
+        default=None, ge=1, description="Launch mode, SGLang: --enable-lora --max-lora-rank (adapter mode)."
+    )
+    lora_target_modules: list[str] = Field(
+        default_factory=list, description="Launch mode, SGLang: --lora-target-modules (default: all)."
+    )
     request_concurrency: int = Field(
         default=32, ge=1, le=4096, description="Most generate requests in flight against this fleet."
     )
@@ -124,6 +140,8 @@ class FleetBlock(Block):
             gpus_per_engine=self.gpus_per_engine,
             base_args=self.base_sglang_args,
             overrides=self.sglang_overrides,
+            lora_max_rank=self.lora_max_rank if self.lora_mode == "adapter" else None,
+            lora_target_modules=self.lora_target_modules if self.lora_mode == "adapter" else [],
         )
         return launch_sglang_fleet(
             spec, log_dir=state.parent / "logs", state_file=state, api_key=api_key, ready_timeout_s=ready_timeout_s

@@ -50,6 +50,8 @@ class Sequence:
     params: SamplingParams
     seed: int
     internal: bool = False  # health probes: not counted in stats or load
+    lora_name: str | None = None  # the adapter named by the request's `lora_path`
+    lora: Any = None  # its `engine.lora.Adapter`, resolved under the read lock
     output_ids: list[int] = field(default_factory=list)
     abort_message: str | None = None
     finish: dict | None = None

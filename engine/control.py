@@ -4,7 +4,8 @@
 `{success: false, message}`; version and model_path change only on success; the load waits for
 in-flight requests unless paused, or aborts them with `abort_all_requests`), /update_weight_version
 (default aborts in-flight requests, like SGLang), /pause_generation, /continue_generation,
-/abort_request (200 empty body), /flush_cache (GET/POST, text body, 400 while requests run).
+/abort_request (200 empty body), /flush_cache (GET/POST, text body, 400 while requests run);
+`add_lora_routes`: /load_lora_adapter, /unload_lora_adapter (contract in engine/lora.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import time
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from engine.lora import AdapterError
 from engine.protocol import (
     AbortRequest,
     ContinueGenerationRequest,
+    LoadLoRAAdapterRequest,
     PauseGenerationRequest,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightVersionRequest,
 )
@@ -121,6 +125,44 @@ def add_control_routes(app: FastAPI) -> None:
             "Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)"
         )
+
+
+def add_lora_routes(app: FastAPI) -> None:
+    """SGLang's `/load_lora_adapter` and `/unload_lora_adapter` (contract: engine/lora.py)."""
+    admin = [Depends(admin_auth)]
+
+    @app.post("/load_lora_adapter", dependencies=admin)
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        st = engine_state(request)
+        req = await parse_body(request, LoadLoRAAdapterRequest, failure="message")
+        hooks = st.runner.lora
+        try:
+            await asyncio.wrap_future(st.runner.call(lambda: hooks.load(req.lora_name, req.lora_path)))
+        except AdapterError as err:
+            log.warning("load_lora_adapter FAILED name=%s path=%s: %s", req.lora_name, req.lora_path, err)
+            return _lora_reply(False, str(err), hooks.loaded())
+        log.info("load_lora_adapter ok name=%s path=%s", req.lora_name, req.lora_path)
+        return _lora_reply(True, "", hooks.loaded())
+
+    @app.post("/unload_lora_adapter", dependencies=admin)
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        st = engine_state(request)
+        req = await parse_body(request, UnloadLoRAAdapterRequest, failure="message")
+        hooks = st.runner.lora
+        try:
+            async with st.lock.write():  # SGLang waits for the requests that use it
+                await asyncio.wrap_future(st.runner.call(lambda: hooks.unload(req.lora_name)))
+        except AdapterError as err:
+            log.warning("unload_lora_adapter FAILED name=%s: %s", req.lora_name, err)
+            return _lora_reply(False, str(err), None)
+        log.info("unload_lora_adapter ok name=%s", req.lora_name)
+        return _lora_reply(True, "", hooks.loaded())
+
+
+def _lora_reply(success: bool, message: str, loaded: dict[str, str] | None) -> JSONResponse:
+    """SGLang's `LoRAUpdateOutput`: 200 on success, else 400."""
+    body = {"success": success, "error_message": message, "loaded_adapters": loaded}
+    return JSONResponse(body, status_code=200 if success else 400)
 
 
 async def _load(st: EngineState, req: UpdateWeightsFromDiskRequest) -> LoadReport:

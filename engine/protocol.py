@@ -13,6 +13,8 @@ Contract (SGLang 0.5.23 semantics, see the team's protocol reference §1.3-§1.8
 - Top-level unknown keys of every body are ignored, as in SGLang.
 - `GenerateRequest.items()` flattens a single or batch request into `PromptItem`s in request
   order; `n > 1` is expanded later by the server, copies kept next to their prompt.
+- `lora_path` names a loaded adapter (SGLang's semantics): one string for every prompt, or one
+  entry per prompt of a batch (null = the base model).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class PromptItem:
     text: str | None
     input_ids: list[int] | None
     params: SamplingParams
+    lora_name: str | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -147,6 +150,7 @@ class GenerateRequest(BaseModel):
     input_embeds: Any = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
 
@@ -199,16 +203,22 @@ class GenerateRequest(BaseModel):
             rids = [f"{self.rid}_{i}" for i in range(count)]
         else:
             rids = [self.rid] * count
+        if isinstance(self.lora_path, list):
+            if len(self.lora_path) != count:
+                raise ProtocolError(f"lora_path: {len(self.lora_path)} entries for a batch of {count} prompts")
+            loras: list[str | None] = list(self.lora_path)
+        else:
+            loras = [self.lora_path] * count
         out = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                out.append(PromptItem(i, rids[i], prompt, None, params[i]))
+                out.append(PromptItem(i, rids[i], prompt, None, params[i], loras[i]))
             else:
                 if not prompt:
                     raise ProtocolError(
                         f"input_ids.{i}: empty prompt" if self.is_batch else "input_ids: empty"
                     )
-                out.append(PromptItem(i, rids[i], None, list(prompt), params[i]))
+                out.append(PromptItem(i, rids[i], None, list(prompt), params[i], loras[i]))
         return out
 
 
@@ -242,3 +252,15 @@ class AbortRequest(_Body):
     rid: str = ""
     abort_all: bool = False
     abort_message: str | None = None
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """SGLang's `LoadLoRAAdapterReqInput` (`lora_id` is assigned by the server, ignored here)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str

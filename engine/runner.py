@@ -18,6 +18,8 @@ Contract and invariants:
 - `weight_version` / `model_path` change only on the model thread, after a successful load, so
   per-token version spans (`weight_versions`) are exact. A failed load marks the weights unknown
   (`weights_ok` False) and aborts everything in flight; only a later successful load clears it.
+- LoRA (engine/lora.py): a sequence may carry an adapter; the rows of every forward are handed to
+  `LoraHooks` just before it, so each row gets its own adapter's delta (or none).
 - Pause modes (SGLang): abort = abort everything; retract = rows go back to the waiting queue
   (cache dropped, recomputed on continue); in_place = rows keep their cache and wait.
 """
@@ -38,6 +40,7 @@ import torch
 
 from engine import decoding, weights
 from engine.batch import KVBatch, SeqResult, Sequence
+from engine.lora import LoraHooks
 
 __all__ = ["Runner", "SeqResult", "Sequence", "Stats"]
 
@@ -102,6 +105,7 @@ class Runner:
         self._stopping = False
         self._paused = False
         self._batch = KVBatch(self.model, self.pad_id)
+        self.lora = LoraHooks(self.model)  # adapters; per-row deltas at forward time
         self._thread = threading.Thread(target=self._loop, name="engine-model", daemon=True)
 
     # ---- API for other threads ------------------------------------------------------------
@@ -273,6 +277,7 @@ class Runner:
         if not todo:
             return
         first = len(self._batch)
+        self.lora.rows = [s.lora for s in todo]
         logits = self._batch.prefill(todo)
         self.stats.prefill_batches += 1
         self.stats.max_prefill_batch_seen = max(self.stats.max_prefill_batch_seen, len(todo))
@@ -285,6 +290,7 @@ class Runner:
         self.stats.max_batch_size_seen = max(
             self.stats.max_batch_size_seen, sum(not s.internal for s in rows)
         )
+        self.lora.rows = [s.lora for s in rows]
         logits = self._batch.step()
         self.stats.decode_steps += 1
         for i, seq in enumerate(rows):

@@ -3,8 +3,10 @@
 Endpoints: /health, /health_generate, /ready (always open); /generate, /model_info,
 /get_model_info, /server_info, /get_server_info, /v1/models, /get_load (api key); and the
 admin-optional control plane /update_weights_from_disk, /update_weight_version,
-/pause_generation, /continue_generation, /abort_request, /flush_cache (admin key if set, else
-api key if set). Auth is `Authorization: Bearer <key>`; failures are 401 `{"error": ...}`.
+/pause_generation, /continue_generation, /abort_request, /flush_cache, /load_lora_adapter,
+/unload_lora_adapter (admin key if set, else api key if set). `/generate` takes SGLang's
+`lora_path` (adapter names, engine/lora.py); `/v1/models` lists loaded adapters.
+Auth is `Authorization: Bearer <key>`; failures are 401 `{"error": ...}`.
 Malformed /generate bodies are 400 `{"error": "<field>: <why>"}`; while the weights are unknown
 after a failed load /generate answers 503. Aborted requests are HTTP 200 with
 `finish_reason.type == "abort"`. One log line per /generate call and per control call (stderr).
@@ -26,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine import __version__, decoding
 from engine.batch import SeqResult, Sequence
-from engine.control import add_control_routes
+from engine.control import add_control_routes, add_lora_routes
 from engine.launch import EngineArgs
 from engine.protocol import GenerateRequest, ProtocolError, SamplingParams
 from engine.runner import Runner
@@ -74,6 +76,7 @@ def create_app(args: EngineArgs) -> FastAPI:
     _info_routes(app)
     _generate_route(app)
     add_control_routes(app)
+    add_lora_routes(app)
     return app
 
 
@@ -177,7 +180,12 @@ def _info_routes(app: FastAPI) -> None:
             "root": st.runner.model_path,
             "max_model_len": st.runner.context_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [
+            {"id": name, "object": "model", "created": int(st.startup_time), "owned_by": "sglang", "root": path,
+             "parent": st.served_model_name, "max_model_len": None}
+            for name, path in st.runner.lora.loaded().items()
+        ]  # fmt: skip
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/get_load", dependencies=[Depends(normal_auth)])
     def get_load(request: Request) -> list[dict]:
@@ -222,10 +230,25 @@ def _build(st: EngineState, req: GenerateRequest) -> tuple[list[Sequence], bool]
                     prompt_ids=ids,
                     params=item.params,
                     seed=decoding.copy_seed(item.params.sampling_seed, j),
+                    lora_name=item.lora_name,
                 )
             )
     single = not req.is_batch and items[0].params.n == 1
     return seqs, single
+
+
+def _resolve_adapters(st: EngineState, seqs: list[Sequence]) -> None:
+    """Attach each sequence's adapter (under the read lock, so no unload can race it)."""
+    adapters = st.runner.lora.adapters
+    for seq in seqs:
+        if seq.lora_name is not None:
+            seq.lora = adapters.get(seq.lora_name)
+            if seq.lora is None:
+                raise Refused(
+                    400,
+                    {"error": f"lora_path: got LoRA adapter that has never been loaded: {seq.lora_name}; "
+                              f"loaded adapters: {sorted(adapters)}"},
+                )  # fmt: skip
 
 
 def _output(r: SeqResult) -> dict:
@@ -276,17 +299,19 @@ def _generate_route(app: FastAPI) -> None:
                 raise Refused(
                     503, {"error": "weights unknown after a failed weight update; load a good snapshot"}
                 )
+            _resolve_adapters(st, seqs)
             st.runner.submit(seqs)
             results = await _await_results(request, st.runner, seqs)
         finishes = sorted({r.finish_reason["type"] for r in results})
         log.info(
-            "generate rid=%s seqs=%d prompt_tokens=%d completion_tokens=%d finish=%s version=%s %.3fs",
+            "generate rid=%s seqs=%d prompt_tokens=%d completion_tokens=%d finish=%s version=%s lora=%s %.3fs",
             results[0].rid,
             len(results),
             sum(r.prompt_tokens for r in results),
             sum(r.completion_tokens for r in results),
             ",".join(finishes),
             results[0].weight_version,
+            ",".join(sorted({s.lora_name or "-" for s in seqs})),
             time.monotonic() - started,
         )
         outputs = [_output(r) for r in results]

@@ -15,6 +15,7 @@ Contract:
 - `perturb_snapshot(src, dst, seed)` writes a snapshot with the same file layout, tensor names,
   shapes and dtypes as `src` but different values (a "later training step"); non-weight files
   are copied as they are.
+- `make_tiny_adapter(base, out, seed)` writes a seeded PEFT LoRA adapter (non-zero B) for `base`.
 """
 
 from __future__ import annotations
@@ -237,3 +238,54 @@ def perturb_snapshot(src: Path, dst: Path, seed: int, scale: float = 0.5) -> Pat
         if path.is_file():
             path.chmod(0o644)
     return dst
+
+
+def make_tiny_adapter(
+    base: Path,
+    out: Path,
+    seed: int = 0,
+    r: int = 4,
+    lora_alpha: float = 8.0,
+    targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
+    scale: float = 0.5,
+) -> Path:
+    """Write a PEFT-layout LoRA adapter for snapshot `base` into `out`; return `out`.
+
+    Every linear weight whose module name ends in one of `targets` gets A `[r, in]` and B
+    `[out, r]` drawn from `seed` (B non-zero, `scale` sets the size of the delta), saved as PEFT
+    saves them (`adapter_config.json`, `adapter_model.safetensors` with
+    `base_model.model.<module>.lora_{A,B}.weight`), so `peft.PeftModel.from_pretrained` loads it.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.weights import weight_files
+
+    base, out = Path(base), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in weight_files(base):
+        with safe_open(shard, framework="pt") as f:
+            for name in sorted(f.keys()):
+                module = name.removesuffix(".weight")
+                if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets:
+                    continue
+                rows, cols = f.get_slice(name).get_shape()
+                prefix = f"base_model.model.{module}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, cols, generator=gen) / cols**0.5
+                tensors[f"{prefix}.lora_B.weight"] = scale * torch.randn(rows, r, generator=gen) / r**0.5
+    if not tensors:
+        raise ValueError(f"targets: no weight of {base} matches {targets}")
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {
+        "base_model_name_or_path": str(base), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "modules_to_save": None,
+        "peft_type": "LORA", "r": r, "target_modules": sorted(targets), "task_type": "CAUSAL_LM",
+        "use_dora": False, "use_rslora": False,
+    }  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for path in out.iterdir():
+        path.chmod(0o644)
+    return out

@@ -111,7 +111,7 @@ def eval_point(
             rows = load_datasets(datasets)
             if posture is not Posture.SHARED:
                 assert source is not None
-                snapshot = export_snapshot(source, run, step, store)
+                snapshot = export_snapshot(source, run, step, store, cfg.fleet.lora_mode)
                 snapshot = check_snapshot_task(snapshot, store)
             per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
             exported = snapshot.export_time_seconds if snapshot else None
@@ -153,17 +153,20 @@ def _measure(
     if posture is Posture.EXTERNAL:
         assert snapshot is not None and backend is not None
         return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
+    lora = version if snapshot is not None and snapshot.adapter else None  # adapter mode: name it everywhere
     with fleet_lock(cfg.fleet.lock_name):
         if posture is Posture.FLEET:
             assert snapshot is not None
-            pin_fleet(cfg.fleet, str(snapshot.local_path), version)
+            pin_fleet(cfg.fleet, str(snapshot.local_path), version, snapshot.lora_base)
         else:
             verify_shared(cfg.fleet, version)
-        # chat templates come from the pinned snapshot's tokenizer; shared: the engines' model
-        tokenizer_dir = str(snapshot.local_path) if snapshot is not None else cfg.fleet.model_path
+        # chat templates come from the pinned snapshot's tokenizer (a LoRA adapter: its base's);
+        # shared: the engines' model
+        tokenizer_dir = cfg.fleet.model_path if snapshot is None else snapshot.lora_base or str(snapshot.local_path)
         generations = generate(
-            cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", tokenizer_dir=tokenizer_dir
-        )
+            cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", tokenizer_dir=tokenizer_dir,
+            lora_path=lora,
+        )  # fmt: skip
     return score(generations, datasets, cfg.suite.suite, run, step)
 
 

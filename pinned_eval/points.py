@@ -23,6 +23,10 @@ class SourceKind(StrEnum):
     STAGED = "staged"  # exported in-loop into staging; owned by the point
     MEGATRON = "megatron"  # a torch_dist checkpoint converted by the point; owned
     STATE_DICT = "state_dict"  # a safetensors/torch file + base HF dir; owned
+    LORA = "lora"  # a PEFT LoRA adapter dir + base HF dir; exported into staging (adapter or merged); owned
+
+
+LoraMode = Literal["adapter", "merged"]  # how a fleet serves a `lora` source (FleetBlock.lora_mode)
 
 
 class Posture(StrEnum):
@@ -36,16 +40,18 @@ class SnapshotSource(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: SourceKind = Field(description="Source kind: hf, staged, megatron or state_dict.")
+    kind: SourceKind = Field(description="Source kind: hf, staged, megatron, state_dict or lora.")
     path: str = Field(min_length=1, description="Directory, file or URL of the weights.")
-    hf_base: str | None = Field(default=None, description="Base HF dir for config/tokenizer (megatron, state_dict).")
+    hf_base: str | None = Field(
+        default=None, description="Base HF dir for config/tokenizer (megatron, state_dict); the LoRA base (lora)."
+    )
     require_marker: bool = Field(
         default=True, description="Require the `.complete` marker (False only for a base checkpoint)."
     )
 
     @model_validator(mode="after")
     def _base_needed(self) -> SnapshotSource:
-        if self.kind in (SourceKind.STATE_DICT, SourceKind.MEGATRON) and not self.hf_base:
+        if self.kind in (SourceKind.STATE_DICT, SourceKind.MEGATRON, SourceKind.LORA) and not self.hf_base:
             raise ValueError(f"source kind {self.kind.value!r} needs `hf_base` (config and tokenizer)")
         return self
 

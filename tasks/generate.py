@@ -77,12 +77,14 @@ async def _one(
     j: int,
     rid: str,
     version: str,
+    lora: str | None,
 ) -> Generation:
     result = await client.generate(
         **prompt.request(),
         sampling_params=_sampling(ds, seed=sample.index * 1000 + j),
         rid=rid,
         expected_version=version,
+        lora_path=lora,
     )
     return Generation(
         dataset=ds.name,
@@ -105,6 +107,7 @@ async def _generate_all(
     version: str,
     rid_prefix: str,
     tokenizer_dir: str | None,
+    lora: str | None,
 ) -> list[Generation]:
     renderer = PromptRenderer(tokenizer_dir)
     prompts = {(ds.name, s.index): renderer.render(ds, s) for ds in datasets for s in rows[ds.name]}
@@ -114,7 +117,7 @@ async def _generate_all(
 
         async def run(ds: ResolvedDataset, s: EvalSample, j: int) -> Generation:
             rid = f"{rid_prefix}-{ds.name}-{s.index}-{j}"
-            out = await _one(client, ds, s, prompts[ds.name, s.index], j, rid, version)
+            out = await _one(client, ds, s, prompts[ds.name, s.index], j, rid, version, lora)
             progress.tick()
             return out
 
@@ -135,8 +138,12 @@ def generate(
     weight_version: str,
     rid_prefix: str,
     tokenizer_dir: str | None = None,
+    lora_path: str | None = None,
 ) -> list[Generation]:
     """`tokenizer_dir`: the pinned checkpoint (fleet posture) or the engines' model (shared);
-    only read when a dataset applies the chat template."""
+    only read when a dataset applies the chat template. `lora_path`: the adapter every request
+    names (adapter mode: the weight version)."""
     with fleet_skips():  # pinned_eval.skip_mapping: other weights → pin_violation, a failing fleet → unhealthy
-        return asyncio.run(_generate_all(fleet, datasets, rows, weight_version, rid_prefix, tokenizer_dir))
+        return asyncio.run(
+            _generate_all(fleet, datasets, rows, weight_version, rid_prefix, tokenizer_dir, lora_path)
+        )

@@ -3,7 +3,9 @@
 Contract: `pin_fleet` returns only when every engine reports `weight_version == str(step)` and
 `model_path == snapshot dir`, and the router serves exactly those engines; otherwise it raises
 `EvalSkipped` (`pin_violation` after 2 attempts, `unhealthy` when engines are down and cannot be
-revived or the router never serves). `verify_shared` loads nothing: every training engine must
+revived or the router never serves). In adapter mode (`lora_base`) the engines keep the base and
+load the adapter as `lora_name == str(step)`; the read-back also requires that adapter, alone, on
+every engine. `verify_shared` loads nothing: every training engine must
 already report the expected version (shared posture). The caller holds the fleet lock.
 """
 
@@ -21,10 +23,12 @@ from pinned_eval.skips import EvalSkipped, SkipReason
 
 
 @task(cache_policy=NO_CACHE, task_run_name="pin-{weight_version}")
-def pin_fleet(fleet: FleetBlock, snapshot_dir: str, weight_version: str) -> PinResult:
+def pin_fleet(fleet: FleetBlock, snapshot_dir: str, weight_version: str, lora_base: str | None = None) -> PinResult:
+    """`lora_base`: `snapshot_dir` is a LoRA adapter to serve over that base (adapter mode)."""
+
     async def pin() -> PinResult:
         async with fleet.client() as client:
-            return await client.pin(snapshot_dir, weight_version)
+            return await client.pin(snapshot_dir, weight_version, lora_base=lora_base)
 
     with fleet_skips(f"fleet {fleet.name}"):  # router/transport trouble the client could not classify
         result = asyncio.run(pin())

@@ -3,10 +3,13 @@
 Contract:
 - `export_snapshot` turns a `SnapshotSource` into a `Snapshot`: `hf` is reused as is (never
   owned, never deleted); `staged` is adopted (it must be this point's staging path); `megatron`
-  and `state_dict` are converted into `staging.path_for(run, step)`. A storage or converter
-  failure (`pinned_eval.snapshot.errors.EXPORT_ERRORS`) removes what it wrote and raises
+  and `state_dict` are converted into `staging.path_for(run, step)`; `lora` (a PEFT adapter + its
+  base) is copied there as an adapter snapshot (fleet `lora_mode` "adapter"; an adapter already
+  staged there is adopted) or merged into its base as a full snapshot ("merged"). A storage or
+  converter failure (`pinned_eval.snapshot.errors.EXPORT_ERRORS`) removes what it wrote and raises
   `EvalSkipped(EXPORT_FAILED)`; any other error also removes it, then propagates (the point fails).
-- `check_snapshot_task` reads headers only and raises `EvalSkipped(CKPT_MISSING)` with the
+- `check_snapshot_task` reads headers only (an adapter snapshot is checked as one: config and
+  `adapter_model.safetensors`, never as a full model) and raises `EvalSkipped(CKPT_MISSING)` with the
   typed problem (missing marker, truncated shard, ...; a base checkpoint without a marker gets
   every structural check but the marker's); an S3 snapshot is then materialized
   into the engine-visible local cache and `Snapshot.local_path` is set.
@@ -23,7 +26,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict, Field
 
-from pinned_eval.points import SnapshotSource, SourceKind
+from pinned_eval.points import LoraMode, SnapshotSource, SourceKind
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.check import check_snapshot
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
@@ -41,10 +44,14 @@ class Snapshot(BaseModel):
     require_marker: bool = True
     export_time_seconds: float | None = None
     local_path: str | None = Field(default=None, description="Engine-visible directory (after check).")
+    adapter: bool = Field(default=False, description="A LoRA adapter served over `lora_base` (adapter mode).")
+    lora_base: str | None = Field(default=None, description="Base HF dir the fleet keeps (adapter mode).")
 
 
 @task(cache_policy=NO_CACHE, task_run_name="export-{source.kind}")
-def export_snapshot(source: SnapshotSource, run: str, step: int, staging: Staging) -> Snapshot:
+def export_snapshot(
+    source: SnapshotSource, run: str, step: int, staging: Staging, lora_mode: LoraMode = "adapter"
+) -> Snapshot:
     logger = get_run_logger()
     if source.kind is SourceKind.HF:
         return Snapshot(path=source.path, owned=False, kind=source.kind, require_marker=source.require_marker)
@@ -65,11 +72,17 @@ def export_snapshot(source: SnapshotSource, run: str, step: int, staging: Stagin
             export_megatron_checkpoint(
                 source.path, source.hf_base, dest, storage_options=staging.storage_options
             )
+        elif source.kind is SourceKind.LORA:
+            assert source.hf_base is not None
+            _export_lora(source.path, source.hf_base, dest, staging, lora_mode)
         else:
             from pinned_eval.snapshot.state_dict import export_state_dict  # torch: only a conversion needs it
 
             assert source.hf_base is not None
             export_state_dict(source.path, source.hf_base, dest, storage_options=staging.storage_options)
+    except EvalSkipped:  # a missing or truncated adapter source: ckpt_missing, named
+        staging.delete(dest)
+        raise
     except EXPORT_ERRORS as exc:  # storage or converter failure: this point's export_failed skip
         logger.exception("export of %s %s failed", source.kind, source.path)
         staging.delete(dest)
@@ -79,13 +92,35 @@ def export_snapshot(source: SnapshotSource, run: str, step: int, staging: Stagin
         raise
     seconds = time.monotonic() - started
     logger.info("exported %s %s to %s in %.2fs", source.kind, source.path, dest, seconds)
-    return Snapshot(path=dest, owned=True, kind=source.kind, export_time_seconds=seconds)
+    adapter = source.kind is SourceKind.LORA and lora_mode == "adapter"
+    return Snapshot(
+        path=dest, owned=True, kind=source.kind, export_time_seconds=seconds, adapter=adapter,
+        lora_base=source.hf_base if adapter else None,
+    )  # fmt: skip
+
+
+def _export_lora(adapter: str, base: str, dest: str, staging: Staging, mode: LoraMode) -> None:
+    """Adapter mode: the adapter alone, marker last (a staged adapter at `dest` is adopted as is);
+    merged mode: base + adapter merged into a full snapshot at `dest`, marker last. The source is
+    checked first like any snapshot (its marker required only when the trainer staged it at `dest`);
+    a source outside staging must be a local directory."""
+    from pinned_eval.snapshot.lora import export_merged, write_adapter_snapshot
+
+    staged = adapter.rstrip("/") == dest.rstrip("/")
+    options = staging.storage_options if staged else None
+    source = check_snapshot(adapter, options, require_marker=staged, adapter=True)
+    if not source.complete:  # a missing or truncated adapter file is a missing checkpoint, named
+        raise EvalSkipped(SkipReason.CKPT_MISSING, f"adapter {adapter}: {source.problem}: {source.detail}")
+    if mode == "merged":
+        export_merged(adapter, base, dest, storage_options=staging.storage_options)
+    elif not staged:
+        write_adapter_snapshot(adapter, dest, storage_options=staging.storage_options)
 
 
 @task(cache_policy=NO_CACHE, task_run_name="check")
 def check_snapshot_task(snapshot: Snapshot, staging: Staging) -> Snapshot:
     options = staging.storage_options if snapshot.owned else None
-    result = check_snapshot(snapshot.path, options, require_marker=snapshot.require_marker)
+    result = check_snapshot(snapshot.path, options, require_marker=snapshot.require_marker, adapter=snapshot.adapter)
     if not result.complete:
         raise EvalSkipped(SkipReason.CKPT_MISSING, f"{snapshot.path}: {result.problem}: {result.detail}")
     local = staging.materialize(snapshot.path) if snapshot.path.startswith("s3://") else Path(snapshot.path)

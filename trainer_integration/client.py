@@ -91,7 +91,11 @@ class EvalClient:
         visible_timeout_s: float = 120.0,
         backend: str | None = None,
         backend_options: dict[str, Any] | None = None,
+        lora_base: str | Path | None = None,
     ) -> None:
+        """`lora_base`: in-loop exports write a PEFT LoRA adapter (e.g. `write_adapter_snapshot(peft_model,
+        dest)`) for this base HF dir, so they are dispatched as `lora` sources (the fleet block's
+        `lora_mode` serves them as an adapter or merged)."""
         settings = settings or PrefectApiSettings()
         url = api_url or settings.api_url
         if not url:
@@ -106,6 +110,7 @@ class EvalClient:
         self.policy = policy
         self.max_in_flight = max_in_flight
         self.exporter = exporter
+        self.lora_base = str(lora_base) if lora_base is not None else None
         self.eval_interval = eval_interval
         self.poll_s = poll_s
         self.visible_timeout_s = visible_timeout_s
@@ -267,7 +272,11 @@ class EvalClient:
                 self._record_skip(step, None, final, posture, "export_failed", f"in-loop export: {exc!r}"[:500])
                 return DispatchResult(action="skipped_export_failed", stall_seconds=time.monotonic() - t0, **common)
             export_time = time.monotonic() - e0
-            source = SnapshotSource(kind=SourceKind.STAGED, path=dest)
+            source = (
+                SnapshotSource(kind=SourceKind.LORA, path=dest, hf_base=self.lora_base)
+                if self.lora_base is not None
+                else SnapshotSource(kind=SourceKind.STAGED, path=dest)
+            )
         request = self._request(step, source, final, posture, export_time)
         with self._lock:
             self._sent[step] = request

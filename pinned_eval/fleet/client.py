@@ -40,6 +40,7 @@ from pinned_eval.fleet.errors import (
     PinViolation,
 )
 from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
+from pinned_eval.fleet.lora import load_adapter, verify_adapter
 from pinned_eval.fleet.models import (
     EngineCheck,
     EngineHealth,
@@ -307,20 +308,26 @@ class FleetClient:
         snapshot_path: str | Path,
         weight_version: str | int,
         *,
+        lora_base: str | Path | None = None,
         on_attempt: Callable[[int, list[EngineCheck]], None] | None = None,
     ) -> PinResult:
         """Load `snapshot_path` as `weight_version` on every engine and verify every engine;
         `on_attempt(attempt, checks)` sees every attempt's verdicts (the one pin-and-read-back,
-        also used by the external posture's reference backend)."""
+        also used by the external posture's reference backend).
+
+        With `lora_base`, `snapshot_path` is a LoRA adapter served on top of the base weights at
+        `lora_base` (adapter mode, `pinned_eval.fleet.lora`); generate then names it (`lora_path`).
+        """
         path, version = normalize_path(snapshot_path), str(weight_version)
+        base = normalize_path(lora_base) if lora_base is not None else None
         started = time.monotonic()
         self._pinned = None
         revived: list[str] = []
         checks: list[EngineCheck] = []
         for attempt in range(1, self.config.pin_attempts + 1):
             revived += await self.ensure_alive()
-            loads = await asyncio.gather(*(self._load(u, path, version) for u in self._engines))
-            checks = list(await asyncio.gather(*(self._verify(ld, path, version) for ld in loads)))
+            loads = await asyncio.gather(*(self._load(u, path, version, base) for u in self._engines))
+            checks = list(await asyncio.gather(*(self._verify(ld, path, version, base) for ld in loads)))
             if on_attempt is not None:
                 on_attempt(attempt, checks)
             if all(c.ok for c in checks):
@@ -356,16 +363,21 @@ class FleetClient:
             duration_s=time.monotonic() - started,
         )
 
-    async def _load(self, url: str, path: str, version: str) -> LoadOutcome:
+    async def _load(self, url: str, path: str, version: str, base: str | None = None) -> LoadOutcome:
         rec = self._engines[url]
+        known_good = rec.weights_known
         rec.loading, rec.weights_known, rec.verified_version = True, False, None
         try:
+            if base is not None:
+                return await load_adapter(self.engines, url, path, version, base, base_known_good=known_good)
             return await self.engines.load(url, path, version)
         finally:
             rec.loading = False
             rec.unhealthy_since = None
 
-    async def _verify(self, load: LoadOutcome, path: str, version: str) -> EngineCheck:
+    async def _verify(self, load: LoadOutcome, path: str, version: str, base: str | None = None) -> EngineCheck:
+        if base is not None:
+            return await verify_adapter(self.engines, load, path, version, base)
         try:
             info: EngineInfo | None = await self.engines.model_info(load.url)
         except (httpx.TransportError, FleetError) as exc:
@@ -431,12 +443,17 @@ class FleetClient:
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
         expected_version: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
-        """One sample through the router, retried while aborted, checked against the pinned version."""
+        """One sample through the router, retried while aborted, checked against the pinned version.
+
+        `lora_path` names the adapter to generate with (adapter mode: the pinned weight version)."""
         expected = expected_version if expected_version is not None else self._pinned
         if expected is None:
             raise NotPinned("no successful pin and no expected_version: refusing to generate unverified")
         if self._generator is None:
             raise FleetError("generate needs a router_url")
-        body = build_generate_body(prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid)
+        body = build_generate_body(
+            prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid, lora_path=lora_path
+        )
         return await self._generator.generate(body, expected)

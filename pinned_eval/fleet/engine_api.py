@@ -7,6 +7,9 @@ Contract (SGLang 0.5.2 .. 0.5.23, see the protocol reference §1):
   unknown afterwards).
 - A reply that is not the JSON the protocol promises raises `EngineHTTPError` naming the endpoint
   and the field (never a bare decode/validation error).
+- LoRA: `load_lora`/`unload_lora` post SGLang's `/load_lora_adapter`/`/unload_lora_adapter` and
+  return a `LoadOutcome` (a 400 `success: false` is "rejected" with SGLang's `error_message`);
+  `lora_adapters` reads the loaded adapters from `/v1/models`.
 - Auth: control endpoints take the admin key when one is set, else the API key; data-plane
   reads (`/model_info`, `/server_info`) take the API key. `/health` is always open.
 """
@@ -19,7 +22,14 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from pinned_eval.fleet.errors import EngineHTTPError
-from pinned_eval.fleet.models import EngineInfo, LoadOutcome, normalize_url
+from pinned_eval.fleet.models import (
+    EngineInfo,
+    LoadOutcome,
+    LoRAUpdateOutput,
+    ModelList,
+    normalize_path,
+    normalize_url,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -168,6 +178,46 @@ class EngineAPI:
         )
         if resp.status_code != 200:
             raise EngineHTTPError(url, resp.status_code, resp.text)
+
+    async def load_lora(self, url: str, lora_name: str, lora_path: str) -> LoadOutcome:
+        """`POST /load_lora_adapter`; never raises on a refused adapter (400 `error_message`)."""
+        return await self._lora_update(url, "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    async def unload_lora(self, url: str, lora_name: str) -> LoadOutcome:
+        """`POST /unload_lora_adapter` (SGLang waits for the requests using it)."""
+        return await self._lora_update(url, "/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def lora_adapters(self, url: str) -> dict[str, str]:
+        """Loaded adapters, name -> path: the `/v1/models` cards that have a `parent` (SGLang lists
+        the base model first, then one card per adapter with `root` = its path)."""
+        url = normalize_url(url)
+        resp = await self._http.get(f"{url}/v1/models", headers=self._data_headers, timeout=self.info_timeout_s)
+        if resp.status_code != 200:
+            raise EngineHTTPError(url, resp.status_code, resp.text)
+        cards = parse_reply(url, "/v1/models", resp, ModelList, {}).data
+        return {c.id: normalize_path(c.root) if c.root else "" for c in cards if c.parent is not None}
+
+    async def _lora_update(self, url: str, path: str, body: dict[str, Any]) -> LoadOutcome:
+        url = normalize_url(url)
+        try:
+            resp = await self._http.post(
+                f"{url}{path}", json=body, headers=self._admin_headers, timeout=self.load_timeout_s
+            )
+        except httpx.TimeoutException as exc:
+            return LoadOutcome(url=url, ok=False, message=f"{path}: no answer in {self.load_timeout_s}s: {exc!r}",
+                               error="timeout")  # fmt: skip
+        except httpx.TransportError as exc:
+            return LoadOutcome(url=url, ok=False, message=f"{path}: {exc!r}", error="connection")
+        if resp.status_code not in (200, 400):
+            return LoadOutcome(url=url, ok=False, status_code=resp.status_code, message=resp.text[:500], error="http")
+        reply = parse_reply(url, path, resp, LoRAUpdateOutput, {})
+        return LoadOutcome(
+            url=url,
+            ok=reply.success and resp.status_code == 200,
+            status_code=resp.status_code,
+            message=reply.error_message or "",
+            error=None if reply.success and resp.status_code == 200 else "rejected",
+        )
 
     async def pause(self, url: str, mode: Literal["abort", "retract", "in_place"] = "abort") -> None:
         await self._control(url, "/pause_generation", {"mode": mode})

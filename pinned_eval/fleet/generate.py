@@ -3,7 +3,7 @@
 Contract:
 - Bodies are built by `build_generate_body` only: exactly one of `text` (one string; the router
   422s on a text batch) or `input_ids` (flat ids), `sampling_params` from `SamplingParams`
-  (SGLang names, `sampling_seed` for the seed), optional `rid`.
+  (SGLang names, `sampling_seed` for the seed), optional `rid`, optional `lora_path` (adapter name).
 - A router 503 (no healthy worker during a health-check cycle) is retried with backoff, boundedly.
 - A response whose `finish_reason.type == "abort"` (e.g. a weight load aborted it) is sent again,
   with a fresh rid, at most `abort_retries` times, then `GenerationAborted`; it is never returned.
@@ -33,6 +33,7 @@ def build_generate_body(
     input_ids: list[int] | None = None,
     sampling_params: SamplingParams | dict[str, Any] | None = None,
     rid: str | None = None,
+    lora_path: str | None = None,
 ) -> dict[str, Any]:
     """The `/generate` JSON for one prompt (text or token ids), validated at the edge."""
     if (prompt is None) == (input_ids is None):
@@ -50,6 +51,8 @@ def build_generate_body(
     body["sampling_params"] = sp.to_wire()
     if rid is not None:
         body["rid"] = rid
+    if lora_path is not None:
+        body["lora_path"] = lora_path  # an adapter *name* (SGLang's semantics); the router passes it on
     return body
 
 

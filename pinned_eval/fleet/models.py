@@ -142,6 +142,32 @@ class EngineInfo(BaseModel):
         return normalize_url(v)
 
 
+class ModelCard(BaseModel):
+    """One `/v1/models` entry; SGLang lists each loaded LoRA adapter with `parent` = the base model."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str
+    root: str | None = None
+    parent: str | None = None
+
+
+class ModelList(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    data: list[ModelCard]
+
+
+class LoRAUpdateOutput(BaseModel):
+    """SGLang's reply to `/load_lora_adapter` and `/unload_lora_adapter`."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, Any] | None = None
+
+
 class HealthState(StrEnum):
     UP = "up"  # /health answered 200
     BUSY = "busy"  # alive but not generating: loading, paused, or a 503 still within the deadline

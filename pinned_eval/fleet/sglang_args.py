@@ -13,6 +13,9 @@ Rules (miles `_apply_eval_model_config`, reference miles-eval §8):
 - The base mapping is never mutated. Keys are ServerArgs field names; a flag is `--` + the name
   with `_` turned into `-`. True booleans become bare flags, False and None are left out, lists
   become repeated values, dicts JSON.
+- LoRA adapter mode (`lora_max_rank` set): `--enable-lora --max-lora-rank N --lora-target-modules
+  <modules|all>` after the TP and before the overrides (SGLang sizes its LoRA buffers at launch;
+  adapters are loaded later with /load_lora_adapter, so no `--lora-paths`).
 - Engine i gets `CUDA_VISIBLE_DEVICES` = its own `gpus_per_engine` consecutive GPU ids.
 """
 
@@ -50,6 +53,12 @@ class SGLangFleetSpec(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict, description="Per-fleet ServerArgs overrides.")
     gpu_ids: list[int] | None = Field(default=None, description="Physical GPU ids; default 0..num_gpus-1.")
     weight_version: str | None = Field(default=None, description="`--weight-version` at boot.")
+    lora_max_rank: int | None = Field(
+        default=None, ge=1, description="Adapter mode: `--enable-lora --max-lora-rank N` (None: LoRA off)."
+    )
+    lora_target_modules: list[str] = Field(
+        default_factory=list, description="Adapter mode: `--lora-target-modules` (empty: `all`)."
+    )
     host: str = "127.0.0.1"
     python: str = Field(default=sys.executable, description="Interpreter that has sglang installed.")
 
@@ -68,6 +77,8 @@ class SGLangFleetSpec(BaseModel):
             for key in args:
                 if not _FIELD.match(key):
                     raise ValueError(f"{where}.{key}: not a ServerArgs field name (snake_case)")
+        if self.lora_target_modules and self.lora_max_rank is None:
+            raise ValueError("lora_target_modules: needs lora_max_rank (adapter mode enables LoRA)")
         if self.gpu_ids is not None and len(self.gpu_ids) != self.num_gpus:
             raise ValueError(f"gpu_ids: {len(self.gpu_ids)} ids for num_gpus={self.num_gpus}")
         return self
@@ -93,6 +104,10 @@ def resolve_server_args(spec: SGLangFleetSpec) -> dict[str, Any]:
     args["model_path"] = spec.model_path
     if spec.weight_version is not None:
         args["weight_version"] = spec.weight_version
+    if spec.lora_max_rank is not None:  # adapters are loaded per point: none at boot (no --lora-paths)
+        args["enable_lora"] = True
+        args["max_lora_rank"] = spec.lora_max_rank
+        args["lora_target_modules"] = list(spec.lora_target_modules) or ["all"]
     args.update(spec.overrides)
     return args
 

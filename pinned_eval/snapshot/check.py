@@ -15,6 +15,10 @@
    (`missing_file` when one is gone; `bad_marker` when it is not a manifest). A bare (empty)
    marker, as miles writes, cannot name an export: it is stale when older than any shard/index.
 
+A PEFT LoRA adapter snapshot (`adapter=True`, or auto-detected by `adapter_config.json`) gets the
+same checks with `adapter_model.safetensors` (or `adapter_model.safetensors.index.json`) in the
+roles of the single file and the index, and `adapter_config.json` must exist (`missing_file`).
+
 It never raises on corrupt content (only on I/O errors of the store itself) and reads no tensor data.
 """
 
@@ -32,6 +36,9 @@ from fsspec import AbstractFileSystem
 from pydantic import ValidationError
 
 from pinned_eval.snapshot.layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_INDEX,
+    ADAPTER_WEIGHTS,
     EXPORT_ID_KEY,
     INDEX,
     MARKER,
@@ -178,38 +185,45 @@ def _listing(fs: AbstractFileSystem, root: str) -> dict[str, dict[str, Any]]:
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e["type"] == "file"}
 
 
-def _check(fs: AbstractFileSystem, root: str, require_marker: bool) -> tuple[int, int]:
+def _check(fs: AbstractFileSystem, root: str, require_marker: bool, adapter: bool | None) -> tuple[int, int]:
     files = _listing(fs, root)
     if not files:
         raise _Incomplete(P.MISSING_MARKER, f"no snapshot files at {to_url(fs, root)}")
     if MARKER not in files and require_marker:
         raise _Incomplete(P.MISSING_MARKER, f"{MARKER} is missing")
+    if adapter is None:
+        adapter = ADAPTER_CONFIG in files
+    index_name, single_name = (ADAPTER_INDEX, ADAPTER_WEIGHTS) if adapter else (INDEX, SINGLE_FILE)
+    if adapter and ADAPTER_CONFIG not in files:
+        raise _Incomplete(P.MISSING_FILE, f"{ADAPTER_CONFIG} is missing")
 
     index_bytes: bytes | None = None
     index_export_id: str | None = None
     headers: dict[str, _Header] = {}
-    if INDEX in files:
-        index_bytes = fs.cat_file(join(fs, root, INDEX))
+    if index_name in files:
+        index_bytes = fs.cat_file(join(fs, root, index_name))
         try:
             index = Index.model_validate_json(index_bytes)
         except ValidationError as e:
-            raise _Incomplete(P.BAD_INDEX, f"{INDEX}: {e.errors()[0]['msg']}") from None
+            raise _Incomplete(P.BAD_INDEX, f"{index_name}: {e.errors()[0]['msg']}") from None
         weight_map, total_size = index.weight_map, index.metadata.total_size
         index_export_id = index.metadata.export_id
         if not weight_map:
-            raise _Incomplete(P.BAD_INDEX, f"{INDEX}: weight_map is empty")
+            raise _Incomplete(P.BAD_INDEX, f"{index_name}: weight_map is empty")
         bad_names = sorted({f for f in weight_map.values() if "/" in f or "\\" in f or f.startswith(".")})
         if bad_names:
-            raise _Incomplete(P.BAD_INDEX, f"{INDEX}: shard names outside the dir {bad_names[:3]}")
-    elif SINGLE_FILE in files:
-        path, size = join(fs, root, SINGLE_FILE), files[SINGLE_FILE]["size"]
-        head = _prefetch(fs, {SINGLE_FILE: path}, {SINGLE_FILE: size}).get(SINGLE_FILE, b"")
-        single = _read_shard_header(fs, path, SINGLE_FILE, size, head)
-        weight_map = dict.fromkeys(single.names, SINGLE_FILE)
+            raise _Incomplete(P.BAD_INDEX, f"{index_name}: shard names outside the dir {bad_names[:3]}")
+    elif single_name in files:
+        path, size = join(fs, root, single_name), files[single_name]["size"]
+        head = _prefetch(fs, {single_name: path}, {single_name: size}).get(single_name, b"")
+        single = _read_shard_header(fs, path, single_name, size, head)
+        weight_map = dict.fromkeys(single.names, single_name)
         total_size = single.data_bytes
-        headers[SINGLE_FILE] = single
+        headers[single_name] = single
+    elif adapter:
+        raise _Incomplete(P.MISSING_SHARD, f"{single_name} is missing")
     else:
-        raise _Incomplete(P.MISSING_INDEX, f"{INDEX} is missing")
+        raise _Incomplete(P.MISSING_INDEX, f"{index_name} is missing")
 
     shard_names = sorted(set(weight_map.values()))
     absent = [f for f in shard_names if f not in files]
@@ -235,18 +249,18 @@ def _check(fs: AbstractFileSystem, root: str, require_marker: bool) -> tuple[int
                           f"shards hold {data_bytes} tensor bytes, index says total_size {total_size}")
 
     if MARKER in files:
-        _check_marker(fs, root, files, index_bytes, index_export_id, headers)
+        _check_marker(fs, root, files, index_bytes, index_export_id, headers, index_name)
     return total_size, len(shard_names)
 
 
 def _check_marker(
     fs: AbstractFileSystem, root: str, files: dict[str, dict[str, Any]], index_bytes: bytes | None,
-    index_export_id: str | None, headers: dict[str, _Header],
+    index_export_id: str | None, headers: dict[str, _Header], index_name: str,
 ) -> None:
     raw = fs.cat_file(join(fs, root, MARKER)) if files[MARKER]["size"] else b""
     if not raw.strip():  # bare marker: only modification times can tell an old one
         marker_t = file_mtime(files[MARKER])
-        newer = [f for f in [*headers, INDEX] if f in files and file_mtime(files[f]) > marker_t]
+        newer = [f for f in [*headers, index_name] if f in files and file_mtime(files[f]) > marker_t]
         if newer:
             raise _Incomplete(P.STALE_MARKER, f"bare {MARKER} is older than {sorted(newer)[:3]}")
         return
@@ -261,7 +275,7 @@ def _check_marker(
         if h.export_id != manifest.export_id:
             raise _Incomplete(stale, f"{fname} is from export {h.export_id}, {MARKER} {manifest.export_id}")
     if index_bytes is not None and hashlib.sha256(index_bytes).hexdigest() != manifest.index_sha256:
-        raise _Incomplete(stale, f"{INDEX} changed after {MARKER} was written")
+        raise _Incomplete(stale, f"{index_name} changed after {MARKER} was written")
     for fname, size in sorted(manifest.files.items()):
         if fname not in files:
             raise _Incomplete(P.MISSING_FILE, f"{fname} listed in {MARKER} is missing")
@@ -270,17 +284,23 @@ def _check_marker(
 
 
 def check_snapshot(
-    path_or_url: str, storage_options: dict[str, Any] | None = None, *, require_marker: bool = True
+    path_or_url: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    require_marker: bool = True,
+    adapter: bool | None = None,
 ) -> SnapshotCheck:
     """Check one snapshot directory (local path or `s3://bucket/prefix`); see the module docstring.
 
     `require_marker=False` is for a base checkpoint saved without `.complete` (e.g. by
     `save_pretrained`): every structural check still runs; a marker that exists is still checked.
+    `adapter=True` checks a PEFT adapter (`adapter_config.json` + `adapter_model.safetensors` or
+    its index), `False` a full model; None decides by the presence of `adapter_config.json`.
     """
     fs, root = resolve(path_or_url, storage_options)
     url = to_url(fs, root)
     try:
-        total, shards = _check(fs, root, require_marker)
+        total, shards = _check(fs, root, require_marker, adapter)
     except _Incomplete as e:
         return SnapshotCheck(url, False, e.problem, e.detail)
     return SnapshotCheck(url, True, None, f"complete: {shards} shards, {total} tensor bytes", total, shards)

@@ -23,6 +23,9 @@ MARKER = ".complete"
 RETIRED = ".retired"  # staging's keep-ring mark: the point that used this snapshot is done with it
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # a PEFT LoRA adapter snapshot: this config + the weights below
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_INDEX = "adapter_model.safetensors.index.json"
 MANIFEST_FORMAT: Literal["pinned-eval-snapshot/1"] = "pinned-eval-snapshot/1"
 EXPORT_ID_KEY = "pinned_eval_export_id"
 # Never copied from a base HF dir: weights in any format and their indexes.

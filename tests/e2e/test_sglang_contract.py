@@ -6,11 +6,15 @@ only msgspec). `GenerateRequest.from_json_value` is the gate the SGLang server a
 protocol reference), so a body that passes here passes there. The bodies are captured on the wire by
 a recording transport while the client drives a real CPU engine behind the real sglang-router:
 pin (router readiness probe), text and token-id prompts, every sampling key, and an aborted request's
-retry. The responses the client parsed are decoded with SGLang's response types too.
+retry. The responses the client parsed are decoded with SGLang's response types too. The LoRA calls
+(`/load_lora_adapter`, `/unload_lora_adapter`, `/v1/models`, `lora_path` on `/generate`) are checked
+against the wheel's own `io_struct.py` / `openai/protocol.py` classes (fields read with `ast`: those
+modules need the full SGLang runtime to import) and the routes `http_server.py` declares.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib.util
 import json
@@ -31,12 +35,15 @@ pytestmark = pytest.mark.e2e
 
 SGLANG_VERSION = "0.5.23"
 API_TYPES = "sglang/api/v1/api_types.py"
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+OPENAI_PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
+LORA_PATHS = ("/load_lora_adapter", "/unload_lora_adapter", "/v1/models")
 
 
 @pytest.fixture(scope="session")
-def api_types(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """SGLang's generated API types, from the wheel, loaded standalone."""
-    pytest.importorskip("msgspec", reason="msgspec (dev extra) loads SGLang's api_types")
+def sglang_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real `sglang==0.5.23` wheel (pip download, once per session)."""
     dest = tmp_path_factory.mktemp("sglang-wheel")
     cmd = [
         sys.executable,
@@ -57,9 +64,16 @@ def api_types(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     wheels = sorted(dest.glob("sglang-*.whl"))
     if done.returncode != 0 or not wheels:
         pytest.skip(f"cannot download sglang=={SGLANG_VERSION} (no index reachable?): {done.stderr[-800:]}")
-    with zipfile.ZipFile(wheels[0]) as whl:
+    return wheels[0]
+
+
+@pytest.fixture(scope="session")
+def api_types(sglang_wheel: Path) -> ModuleType:
+    """SGLang's generated API types, from the wheel, loaded standalone."""
+    pytest.importorskip("msgspec", reason="msgspec (dev extra) loads SGLang's api_types")
+    with zipfile.ZipFile(sglang_wheel) as whl:
         source = whl.read(API_TYPES)  # KeyError = the schema moved: a real failure, not a skip
-    path = dest / "sglang_api_types.py"
+    path = sglang_wheel.parent / "sglang_api_types.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("sglang_api_types_v1", path)
     assert spec is not None and spec.loader is not None
@@ -76,10 +90,15 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         self.inner = httpx.AsyncHTTPTransport()
         self.generate: list[tuple[dict[str, Any], int, Any]] = []
         self.model_info: list[Any] = []
+        self.lora: list[tuple[str, Any, int, Any]] = []  # (path, request body, status, response body)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
         response = await self.inner.handle_async_request(request)
+        if request.url.path in LORA_PATHS:
+            content = await response.aread()
+            self.lora.append((request.url.path, json.loads(body) if body else None, response.status_code,
+                              json.loads(content) if content else None))  # fmt: skip
         if request.url.path in ("/generate", "/model_info"):
             content = await response.aread()
             parsed = json.loads(content) if content else None
@@ -184,3 +203,66 @@ def snapshot_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     from engine.tiny_model import perturb_snapshot
 
     return perturb_snapshot(tiny_model_dir, tmp_path_factory.mktemp("contract-snap") / "step_11", seed=11)
+
+
+def _fields(source: bytes, cls: str) -> dict[str, bool]:
+    """Field name -> required, of class `cls` in a Python source (annotated class attributes)."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {
+                s.target.id: s.value is None
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+    raise AssertionError(f"{cls} not found: SGLang's schema moved")
+
+
+def _conforms(obj: dict[str, Any], fields: dict[str, bool], what: str) -> None:
+    assert set(obj) <= set(fields), f"{what}: not SGLang fields: {sorted(set(obj) - set(fields))}"
+    missing = [f for f, required in fields.items() if required and f not in obj]
+    assert not missing, f"{what}: required SGLang fields missing: {missing}"
+
+
+async def test_lora_requests_and_replies_match_sglang(
+    sglang_wheel: Path, api_types: ModuleType, fleet: LaunchedFleet, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from engine.tiny_model import make_tiny_adapter
+    from pinned_eval.snapshot.lora import write_adapter_snapshot
+
+    with zipfile.ZipFile(sglang_wheel) as whl:
+        io_struct, server, protocol = whl.read(IO_STRUCT), whl.read(HTTP_SERVER).decode(), whl.read(OPENAI_PROTOCOL)
+    for route in ("/load_lora_adapter", "/unload_lora_adapter"):
+        assert f'@app.api_route("{route}", methods=["POST"])' in server
+    load_in = _fields(io_struct, "LoadLoRAAdapterReqInput")
+    unload_in = _fields(io_struct, "UnloadLoRAAdapterReqInput")
+    update_out = _fields(io_struct, "LoRAUpdateOutput")
+    card = _fields(protocol, "ModelCard")
+
+    adapters = {v: make_tiny_adapter(tiny_model_dir, tmp_path / f"a{v}", seed=v) for v in (21, 22)}
+    snaps = [write_adapter_snapshot(a, str(tmp_path / f"step_{v}")) for v, a in adapters.items()]
+    transport = RecordingTransport()
+    config = FleetConfig(router_ready_timeout_s=60, worker_timeout_s=60)
+    async with FleetClient(fleet.engine_urls, fleet.router_url, config=config, transport=transport) as client:
+        await client.pin(snaps[0], "21", lora_base=tiny_model_dir)
+        await client.pin(snaps[1], "22", lora_base=tiny_model_dir)  # unloads 21 first
+        out = await client.generate("1+1=", sampling_params={"max_new_tokens": 2, "temperature": 0.0}, lora_path="22")
+        refused = await client.engines.load_lora(fleet.engine_urls[0], "x", str(tmp_path / "nowhere"))
+    assert out.weight_version == "22"
+    assert not refused.ok and refused.status_code == 400 and "nowhere" in refused.message
+
+    calls = {path: [c for c in transport.lora if c[0] == path] for path in LORA_PATHS}
+    assert [b["lora_name"] for _, b, _, _ in calls["/load_lora_adapter"]] == ["21", "22", "x"]
+    assert [b["lora_name"] for _, b, _, _ in calls["/unload_lora_adapter"]] == ["21"]
+    for path, body, status, reply in calls["/load_lora_adapter"] + calls["/unload_lora_adapter"]:
+        _conforms(body, load_in if path == "/load_lora_adapter" else unload_in, f"{path} request")
+        _conforms(reply, update_out, f"{path} reply")
+        assert reply["success"] is (status == 200)
+    for _, _, _, models in calls["/v1/models"]:
+        for c in models["data"][1:]:
+            _conforms(c, card, "/v1/models adapter card")
+            assert c["parent"] is not None
+        api_types.ModelCard.from_json_value(models["data"][0])
+    lora_generates = [b for b, _, _ in transport.generate if "lora_path" in b]
+    assert len(lora_generates) == 1
+    decoded = api_types.GenerateRequest.from_json_value(lora_generates[0])
+    assert decoded.lora_path == "22"

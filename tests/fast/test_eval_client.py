@@ -202,6 +202,24 @@ def test_unreachable_api_admits_and_spools_without_raising(tmp_path: Path):
     assert [e.step for e in pending] == [1, 2]  # kept for the next process to deliver
 
 
+def test_in_loop_adapter_exports_are_dispatched_as_lora_sources(tmp_path: Path):
+    from engine.tiny_model import make_tiny_adapter, make_tiny_model
+    from pinned_eval.snapshot.check import check_snapshot
+    from pinned_eval.snapshot.lora import write_adapter_snapshot
+
+    base = make_tiny_model(tmp_path / "base")
+    adapter = make_tiny_adapter(base, tmp_path / "adapter")
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    with EvalClient("exp43", dead, spool_dir=tmp_path / "spool", staging_root=tmp_path / "staging",
+                    lora_base=base) as client:  # fmt: skip
+        result = client.dispatch(3, export=lambda step, dest: write_adapter_snapshot(adapter, dest))
+    assert result.action == "requested"
+    [entry] = Spool(tmp_path / "spool" / "exp43").pending()
+    source = SnapshotSource.model_validate(entry.body["payload"]["source"])
+    assert (source.kind, source.hf_base) == ("lora", str(base))
+    assert check_snapshot(source.path).complete  # the staged adapter, marker last
+
+
 def test_trainer_integration_imports_without_prefect():
     code = (
         "import sys, trainer_integration.client, trainer_integration.spool, trainer_integration.events;"

@@ -148,3 +148,24 @@ def test_engine_commands_get_their_own_gpus_and_ports() -> None:
 def test_default_gpu_ids_are_consecutive() -> None:
     engines = sglang_engine_specs(spec(num_gpus=3, gpus_per_engine=1), [1, 2, 3])
     assert [e.env["CUDA_VISIBLE_DEVICES"] for e in engines] == ["0", "1", "2"]
+
+
+def test_adapter_mode_enables_lora_at_launch() -> None:
+    cli = server_args_to_cli(resolve_server_args(spec(lora_max_rank=16, lora_target_modules=["q_proj", "v_proj"])))
+    assert "--enable-lora" in cli
+    assert cli[cli.index("--max-lora-rank") + 1] == "16"
+    i = cli.index("--lora-target-modules")
+    assert cli[i + 1 : i + 3] == ["q_proj", "v_proj"]
+    assert "--lora-paths" not in cli  # adapters come per point, with /load_lora_adapter
+    every = server_args_to_cli(resolve_server_args(spec(lora_max_rank=8)))
+    assert every[every.index("--lora-target-modules") + 1] == "all"
+    assert every[every.index("--lora-target-modules") + 2].startswith("--")
+    # an override still wins, and LoRA stays off unless asked for
+    assert resolve_server_args(spec(lora_max_rank=8, overrides={"max_lora_rank": 32}))["max_lora_rank"] == 32
+    off = resolve_server_args(spec())
+    assert "enable_lora" not in off and "max_lora_rank" not in off
+
+
+def test_lora_target_modules_need_a_rank() -> None:
+    with pytest.raises(ValidationError, match="lora_target_modules: needs lora_max_rank"):
+        spec(lora_target_modules=["q_proj"])

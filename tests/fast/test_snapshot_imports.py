@@ -10,7 +10,7 @@ def test_snapshot_modules_import_without_prefect() -> None:
     code = (
         "import sys\n"
         "import pinned_eval.snapshot.writer, pinned_eval.snapshot.check, pinned_eval.snapshot.staging\n"
-        "import pinned_eval.snapshot.state_dict, app.commands.snapshot\n"
+        "import pinned_eval.snapshot.state_dict, pinned_eval.snapshot.lora, app.commands.snapshot\n"
         "bad = sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'))\n"
         "assert not bad, bad\n"
     )
