@@ -3,7 +3,8 @@
     admit → export → check → [fleet lock: pin → generate] → score → log;  finally: retire
 
 Outcomes: Completed (measured); Completed named "Skipped" with the reason as message (an
-`EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation, ...);
+`EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation, ...;
+`timed_out` once admitted past the suite block's `point_timeout_seconds`);
 Failed on an unexpected error, after recording `skipped_crashed` at the step. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
@@ -12,11 +13,14 @@ retired on every outcome (keep-ring for owned snapshots, untouched otherwise), a
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.states import Completed, State
+from prefect.utilities.timeout import timeout
 from pydantic import BaseModel, ConfigDict
 
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
@@ -102,13 +106,14 @@ def eval_point(
     snapshot: Snapshot | None = None
     try:
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
-            datasets = cfg.suite.resolved()
-            rows = load_datasets(datasets)
-            if posture is not Posture.SHARED:
-                assert source is not None
-                snapshot = export_snapshot(source, run, step, store)
-                snapshot = check_snapshot_task(snapshot, store)
-            per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
+            with point_deadline(cfg.suite.point_timeout_seconds, step):
+                datasets = cfg.suite.resolved()
+                rows = load_datasets(datasets)
+                if posture is not Posture.SHARED:
+                    assert source is not None
+                    snapshot = export_snapshot(source, run, step, store)
+                    snapshot = check_snapshot_task(snapshot, store)
+                per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
             exported = snapshot.export_time_seconds if snapshot else None
             point = point_metrics(
                 step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
@@ -127,6 +132,26 @@ def eval_point(
         snapshot = snapshot or _owned_but_not_adopted(source, store, run, step)
         if snapshot is not None:
             retire_snapshot(snapshot, store)
+
+
+class _PastDeadline(TimeoutError):
+    pass
+
+
+@contextmanager
+def point_deadline(seconds: float, step: int) -> Iterator[None]:
+    """Raise `EvalSkipped(TIMED_OUT)` when the body runs past `seconds`.
+
+    Prefect's cancel scope: SIGALRM in the main thread (a flow-run process), else an exception
+    injected into this thread (delivered at its next Python instruction). Either unwinds through
+    the fleet lock and the admission slot, which release on exit, and the flow's `finally` retires
+    the snapshot.
+    """
+    try:
+        with timeout(seconds, timeout_exc_type=_PastDeadline):
+            yield
+    except _PastDeadline as exc:
+        raise EvalSkipped(SkipReason.TIMED_OUT, f"step {step}: still running after {seconds:g}s") from exc
 
 
 def _measure(

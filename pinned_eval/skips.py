@@ -20,6 +20,7 @@ class SkipReason(StrEnum):
     CKPT_MISSING = "ckpt_missing"
     UNHEALTHY = "unhealthy"
     PIN_VIOLATION = "pin_violation"
+    TIMED_OUT = "timed_out"
     CRASHED = "crashed"
 
 
