@@ -112,7 +112,7 @@ def eval_point(
                 if posture is not Posture.SHARED:
                     assert source is not None
                     snapshot = export_snapshot(source, run, step, store)
-                    snapshot = check_snapshot_task(snapshot, store)
+                    snapshot = check_snapshot_task(snapshot, store, cfg.staging.s3_options())
                 per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
             exported = snapshot.export_time_seconds if snapshot else None
             point = point_metrics(

@@ -136,7 +136,11 @@ def watch_checkpoints(
     staging: str = "default",
     sinks: str = "default",
 ) -> list[WatchDecision]:
-    """One tick: request an eval point for every new ready checkpoint under `root`."""
+    """One tick: request an eval point for every new ready checkpoint under `root`.
+
+    An `s3://` root is listed with the endpoint and credentials of the StagingBlock
+    `storage_block` (default: the points' `staging` block, which their checks read it with).
+    """
     if not re.match(RUN_PATTERN, run):
         raise ValueError(f"run: {run!r} must match {RUN_PATTERN}")
     if min_step < 0:
@@ -145,11 +149,11 @@ def watch_checkpoints(
         raise ValueError(f"quiescence_seconds: must be > 0, got {quiescence_seconds}")
     logger = get_run_logger()
     options: dict[str, Any] = {}
-    if storage_block and root.startswith(("s3://", "s3a://")):
+    if root.startswith(("s3://", "s3a://")):  # the points read it with the same block's credentials
         from blocks import StagingBlock
         from blocks._meta import load_block
 
-        options = load_block(StagingBlock, storage_block).model_copy(update={"root": root}).storage_options()
+        options = load_block(StagingBlock, storage_block or staging).s3_options()
     checkpoints = scan(root, options)
     blocks = BlockNames(suite=suite, fleet=fleet, staging=staging, sinks=sinks)
     from prefect.settings import PREFECT_API_URL

@@ -10,7 +10,8 @@ Contract:
   admitted (the flow's own global concurrency limit still bounds it) and spooled.
 - an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
   is timed as `export_time_seconds`; its failure removes the partial output and records
-  `export_failed` at the step.
+  `export_failed` at the step. An `s3://` staging root uses `storage_options`, else the saved
+  staging block's endpoint and credentials (fetched once, by name, over the API).
 - every request is written ahead to the durable spool and sent by a background thread, so the
   non-waiting call costs the loop one admission query plus one fsync; `dispatch` never raises
   into training (failures are logged and become skip records). A step already requested or
@@ -40,6 +41,7 @@ from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from trainer_integration.events import (
     SINKS_BLOCK_SLUG,
+    STAGING_BLOCK_SLUG,
     Delivery,
     event_entry,
     run_request_entry,
@@ -81,6 +83,7 @@ class EvalClient:
         visible_timeout_s: float = 120.0,
         backend: str | None = None,
         backend_options: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         settings = settings or PrefectApiSettings()
         url = api_url or settings.api_url
@@ -99,11 +102,9 @@ class EvalClient:
         self.eval_interval = eval_interval
         self.poll_s = poll_s
         self.visible_timeout_s = visible_timeout_s
-        self._staging: Any = None
-        if staging_root is not None:
-            from pinned_eval.snapshot.staging import Staging
-
-            self._staging = Staging(str(staging_root))
+        self._staging_root = str(staging_root) if staging_root is not None else None
+        self._storage_options = storage_options
+        self._store: Any = None
         self.rest = PrefectRest(url, http or api_client(settings))
         self._latest_step: int | None = None
         self._progress = threading.Event()
@@ -131,6 +132,40 @@ class EvalClient:
         self.deliverer.start()
         self._progress_thread.start()
         self.deliverer.kick()
+
+    @property
+    def _staging(self) -> Any:
+        """The in-loop export's `Staging`, built at the first export. An `s3://` root without
+        explicit `storage_options` is written with the staging block's endpoint and credentials
+        (read by name over the API, as the points read it); a failure here is that point's
+        `export_failed`, never an exception in the loop."""
+        if self._store is None and self._staging_root is not None:
+            from pinned_eval.snapshot.staging import Staging
+
+            options = self._storage_options
+            if options is None and self._staging_root.startswith(("s3://", "s3a://")):
+                options = self._block_s3_options()
+            self._store = Staging(self._staging_root, storage_options=options)
+        return self._store
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options an exporter writes `dest` with (`write_snapshot(..., storage_options=)`)."""
+        return dict(self._staging.storage_options) if self._staging is not None else {}
+
+    def _block_s3_options(self) -> dict[str, Any]:
+        from pinned_eval.snapshot.layout import s3_storage_options
+
+        data = self.rest.block_data(STAGING_BLOCK_SLUG, self.blocks.staging, include_secrets=True)
+        if data is None:
+            raise ValueError(
+                f"staging_root: {self._staging_root} is on S3 but the staging block {self.blocks.staging!r} "
+                "does not exist; save it or pass storage_options"
+            )
+        return s3_storage_options(
+            data.get("endpoint_url"), data.get("region_name"), data.get("aws_access_key_id"),
+            data.get("aws_secret_access_key"),
+        )
 
     # ---- admission -----------------------------------------------------------------------------
 
