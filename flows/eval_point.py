@@ -1,6 +1,7 @@
 """The eval-point flow: one Prefect flow run measures one verified weight version, or says why not.
 
     admit → export → check → [fleet lock: pin → generate] → score → log;  finally: retire
+    (external posture: [backend lock: the backend's evaluate_checkpoint] in place of the bracket)
 
 Outcomes: Completed (measured); Completed named "Skipped" with the reason as message (an
 `EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation, ...;
@@ -30,8 +31,8 @@ from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.suite import EvalSample, ResolvedDataset
-from tasks.admission import admitted, fleet_lock
-from tasks.external import evaluate_external
+from tasks.admission import admitted, pin_lock
+from tasks.external import backend_lock_name, evaluate_external
 from tasks.generate import generate, load_datasets
 from tasks.log import lag_steps, log_point, measured_rows, skip_rows
 from tasks.pin import pin_fleet, verify_shared
@@ -169,8 +170,9 @@ def _measure(
     version = str(step)
     if posture is Posture.EXTERNAL:
         assert snapshot is not None and backend is not None
-        return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
-    with fleet_lock(cfg.fleet.lock_name):
+        with pin_lock(backend_lock_name(backend, backend_options)):
+            return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
+    with pin_lock(cfg.fleet.lock_name):
         if posture is Posture.FLEET:
             assert snapshot is not None
             pin_fleet(cfg.fleet, str(snapshot.local_path), version)
