@@ -82,12 +82,13 @@ def admitted(run: str, step: int, *, policy: str, final: bool, max_in_flight: in
 
 
 @contextmanager
-def pin_lock(lock_name: str) -> Iterator[None]:
-    """Hold a pin lock (limit 1): one point pins and measures on a fleet (`fleet-<name>`) or an
-    external backend configuration (`backend-<class>-<digest>`) at a time."""
+def exclusive(lock_name: str) -> Iterator[None]:
+    """Hold the limit `lock_name` (size 1) for the body. Pin locks: one point pins and measures on
+    a fleet (`fleet-<name>`) or an external backend configuration (`backend-<class>-<digest>`) at
+    a time; `wandb-<eval run id>`: one writer of a dedicated W&B eval run at a time."""
     ensure_limit(lock_name, 1)
     with concurrency(lock_name, occupy=1, strict=True, lease_duration=LEASE_SECONDS):
         yield
 
 
-fleet_lock = pin_lock
+pin_lock = fleet_lock = exclusive

@@ -21,7 +21,7 @@ from tasks.admission import admitted
 from tests.conftest import free_port
 from tests.faults import RelabelingProxy
 from tests.pointkit import SLOW_SUITE, SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
-from tests.wandb_offline import history_rows
+from tests.wandb_offline import history_rows, metric_definitions, runs
 
 pytestmark = pytest.mark.e2e
 
@@ -244,3 +244,30 @@ def test_point_past_its_deadline_is_timed_out_and_frees_lock_slot_and_snapshot(
     state, _ = run_point(env, 22, source=staged(env, 22, tiny_model), max_in_flight=1, suite=fast)
     assert state.name == "Completed", state.message
     assert [r.step for r in JsonlSink(env.jsonl).read(env.run) if r.state == "measured"] == [22, 22]
+
+
+def test_wandb_rows_go_to_an_eval_run_grouped_with_the_training_run(
+    prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    from blocks import SinksBlock
+
+    fleet = FleetBlock(name="wandb", mode="launch", state_file=str(cpu_fleet.state_file))
+    env = save_point_blocks(tmp_path, fleet, wandb=True)
+    sinks = SinksBlock.load(env.blocks["sinks"]).model_copy(update={"wandb_run_id": f"train-{env.run}"})
+    sinks.save(env.blocks["sinks"], overwrite=True)  # the live training run the rows go beside
+    state, _ = run_point(env, 5, source=staged(env, 5, tiny_model))
+    assert state.name == "Completed", state.message
+    src = staged(env, 6, tiny_model)
+    (Path(src["path"]) / ".complete").unlink()
+    state, _ = run_point(env, 6, source=src)
+    assert state.name == "Skipped", state.message
+
+    # one dedicated eval run, resumed by the second point; the training run is never opened
+    assert {tuple(r.values()) for r in runs(tmp_path)} == {(f"train-{env.run}-eval", f"train-{env.run}", "eval")}
+    assert ("eval/*", "eval/step") in metric_definitions(tmp_path)
+    rows = history_rows(tmp_path)
+    assert [r["eval/step"] for r in rows] == [5, 6]
+    assert rows[0]["eval/arith_add/weight_version/mean"] == 5 and rows[1]["eval/skipped_ckpt_missing"] == 1
+    with get_client(sync_client=True) as c:
+        lock = c.read_global_concurrency_limit_by_name(f"wandb-train-{env.run}-eval")
+    assert (lock.limit, lock.active_slots) == (1, 0)
