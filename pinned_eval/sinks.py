@@ -98,6 +98,17 @@ def wandb_eval_run_id(training_run_id: str) -> str:
     return f"{training_run_id}-eval"
 
 
+_QUIET: dict[str, Any] = {"silent": True, "x_disable_stats": True, "console": "off"}
+
+
+def shared_writer_settings(label: str) -> Any:
+    """W&B settings of a secondary writer into a live run (shared mode, online only): labelled
+    `label`, not the primary (no run files of its own), and its finish leaves the run running."""
+    import wandb
+
+    return wandb.Settings(mode="shared", x_label=label, x_primary=False, x_update_finish_state=False, **_QUIET)
+
+
 def log_to_wandb(
     metrics: dict[str, float],
     *,
@@ -119,11 +130,9 @@ def log_to_wandb(
     """
     import wandb
 
-    quiet: dict[str, Any] = {"silent": True, "x_disable_stats": True, "console": "off"}
     if writer == "shared":
-        settings = wandb.Settings(mode="shared", x_label=label, x_primary=False, x_update_finish_state=False, **quiet)
         wb = wandb.init(project=project, entity=entity, id=run_id, dir=directory, reinit="create_new",
-                        settings=settings)
+                        settings=shared_writer_settings(label))
     else:
         wb = wandb.init(
             project=project,
@@ -135,7 +144,7 @@ def log_to_wandb(
             mode=mode,  # type: ignore[arg-type]
             dir=directory,
             reinit="create_new",
-            settings=wandb.Settings(**quiet),
+            settings=wandb.Settings(**_QUIET),
         )
     try:
         wb.define_metric("eval/step")
