@@ -1,7 +1,8 @@
 """Sinks block: where an eval point's metrics go, besides the Prefect artifacts every point writes.
 
-JSONL rows are keyed (run, step, dataset) and a rerun replaces its rows; W&B joins the training
-run (same run id, resume) and logs at `eval/step`.
+JSONL rows are keyed (run, step, dataset) and a rerun replaces its rows; W&B rows go beside the
+training run without resuming it (a dedicated eval run grouped with it, or shared mode into it)
+and are plotted against `eval/step`.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.sinks import WandbWriter
 
 
 class SinksBlock(Block):
@@ -35,9 +37,23 @@ class SinksBlock(Block):
     wandb_project: str | None = Field(default=None, description="W&B project; unset disables W&B.")
     wandb_entity: str | None = Field(default=None, description="W&B entity (team or user).")
     wandb_run_id: str | None = Field(
-        default=None, description="W&B run id of the training run to join; default: the pinned-eval run name."
+        default=None, description="W&B run id of the (live) training run; default: the pinned-eval run name."
+    )
+    wandb_writer: WandbWriter = Field(
+        default="eval_run",
+        description=(
+            "`eval_run`: a dedicated run `<run id>-eval` grouped with the training run (job_type `eval`); "
+            "`shared` (online only): W&B shared mode into the training run itself, never resuming it."
+        ),
     )
     wandb_mode: Literal["online", "offline", "disabled"] = Field(
         default="offline", description="W&B mode; `offline` writes locally for a later `wandb sync`."
     )
     wandb_dir: str | None = Field(default=None, description="Directory for W&B's local files.")
+
+    @model_validator(mode="after")
+    def _shared_is_online(self) -> SinksBlock:
+        if self.wandb_writer == "shared" and self.wandb_mode != "online":
+            raise ValueError(f"wandb_writer: 'shared' writes into a live run and needs wandb_mode='online', "
+                             f"got {self.wandb_mode!r}")
+        return self

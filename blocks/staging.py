@@ -13,6 +13,7 @@ from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
 from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.snapshot.layout import s3_storage_options
 from pinned_eval.snapshot.staging import Staging
 
 
@@ -46,20 +47,20 @@ class StagingBlock(Block):
         default=None, ge=0, description="Bound of the local cache; least recently used snapshots go first."
     )
 
+    def s3_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options for any `s3://` URL a point reads with this block (its root, or an
+        `hf` checkpoint the watch evaluator found): endpoint, region and keys, whatever the root."""
+        secret = self.aws_secret_access_key
+        return s3_storage_options(
+            self.endpoint_url,
+            self.region_name,
+            self.aws_access_key_id.get_secret_value() if self.aws_access_key_id else None,
+            secret.get_secret_value() if secret else None,
+        )
+
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options for `root` (empty for a local root)."""
-        if not self.root.startswith("s3://"):
-            return {}
-        opts: dict[str, Any] = {}
-        if self.endpoint_url:
-            opts["endpoint_url"] = self.endpoint_url
-        if self.region_name:
-            opts["client_kwargs"] = {"region_name": self.region_name}
-        if self.aws_access_key_id:
-            opts["key"] = self.aws_access_key_id.get_secret_value()
-        if self.aws_secret_access_key:
-            opts["secret"] = self.aws_secret_access_key.get_secret_value()
-        return opts
+        return self.s3_options() if self.root.startswith("s3://") else {}
 
     def staging(self) -> Staging:
         return Staging(

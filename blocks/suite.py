@@ -33,6 +33,14 @@ class EvalSuiteBlock(Block):
     """
 
     suite: EvalSuite = Field(description="Datasets, defaults and fallbacks with miles' precedence.")
+    # the deadline lives with the suite: a point's duration is set by what it measures (datasets,
+    # samples, tokens), while the fleet block's load timeout already bounds the pin on its own
+    point_timeout_seconds: float = Field(
+        default=3 * 3600.0,
+        gt=0,
+        le=7 * 24 * 3600.0,
+        description="Deadline of a point once admitted (export to score); past it: `skipped_timed_out`.",
+    )
 
     @classmethod
     def from_miles_yaml(cls, path: str | Path, **options: Any) -> EvalSuiteBlock:

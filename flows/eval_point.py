@@ -1,10 +1,11 @@
 """The eval-point flow: one Prefect flow run measures one verified weight version, or says why not.
 
     admit → export → check → [fleet lock: pin → generate] → score → log;  finally: retire
+    (external posture: [backend lock: the backend's evaluate_checkpoint] in place of the bracket)
 
 Outcomes: Completed (measured); Completed named "Skipped" with the reason as message (an
 `EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation,
-reward_unavailable, ...);
+reward_unavailable, ...; `timed_out` once admitted past the suite block's `point_timeout_seconds`);
 Failed on an unexpected error, after recording `skipped_crashed` at the step. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
@@ -13,12 +14,15 @@ retired on every outcome (keep-ring for owned snapshots, untouched otherwise), a
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from prefect import flow, get_client, get_run_logger
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import flow_run as current
 from prefect.states import Completed, State
+from prefect.utilities.timeout import timeout
 from pydantic import BaseModel, ConfigDict
 
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
@@ -29,8 +33,8 @@ from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.suite import EvalSample, ResolvedDataset
-from tasks.admission import admitted, fleet_lock
-from tasks.external import evaluate_external
+from tasks.admission import admitted, pin_lock
+from tasks.external import backend_lock_name, evaluate_external
 from tasks.generate import generate, load_datasets
 from tasks.log import lag_steps, log_point, measured_rows, skip_rows
 from tasks.pin import pin_fleet, verify_shared
@@ -107,13 +111,14 @@ def eval_point(
             staging=staging_block, sinks=sinks_block,
         )  # fmt: skip
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
-            datasets = cfg.suite.resolved()
-            rows = load_datasets(datasets)
-            if posture is not Posture.SHARED:
-                assert source is not None
-                snapshot = export_snapshot(source, run, step, store, cfg.fleet.lora_mode)
-                snapshot = check_snapshot_task(snapshot, store)
-            per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
+            with point_deadline(cfg.suite.point_timeout_seconds, step):
+                datasets = cfg.suite.resolved()
+                rows = load_datasets(datasets)
+                if posture is not Posture.SHARED:
+                    assert source is not None
+                    snapshot = export_snapshot(source, run, step, store, cfg.fleet.lora_mode)
+                    snapshot = check_snapshot_task(snapshot, store, cfg.staging.s3_options())
+                per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
             exported = snapshot.export_time_seconds if snapshot else None
             point = point_metrics(
                 step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
@@ -137,6 +142,26 @@ def eval_point(
                 retire_snapshot(snapshot, store)
 
 
+class _PastDeadline(TimeoutError):
+    pass
+
+
+@contextmanager
+def point_deadline(seconds: float, step: int) -> Iterator[None]:
+    """Raise `EvalSkipped(TIMED_OUT)` when the body runs past `seconds`.
+
+    Prefect's cancel scope: SIGALRM in the main thread (a flow-run process), else an exception
+    injected into this thread (delivered at its next Python instruction). Either unwinds through
+    the fleet lock and the admission slot, which release on exit, and the flow's `finally` retires
+    the snapshot.
+    """
+    try:
+        with timeout(seconds, timeout_exc_type=_PastDeadline):
+            yield
+    except _PastDeadline as exc:
+        raise EvalSkipped(SkipReason.TIMED_OUT, f"step {step}: still running after {seconds:g}s") from exc
+
+
 def _measure(
     cfg: PointConfig,
     posture: Posture,
@@ -152,9 +177,10 @@ def _measure(
     version = str(step)
     if posture is Posture.EXTERNAL:
         assert snapshot is not None and backend is not None
-        return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
+        with pin_lock(backend_lock_name(backend, backend_options)):
+            return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
     lora = version if snapshot is not None and snapshot.adapter else None  # adapter mode: name it everywhere
-    with fleet_lock(cfg.fleet.lock_name):
+    with pin_lock(cfg.fleet.lock_name):
         if posture is Posture.FLEET:
             assert snapshot is not None
             pin_fleet(cfg.fleet, str(snapshot.local_path), version, snapshot.lora_base)

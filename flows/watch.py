@@ -139,7 +139,11 @@ def watch_checkpoints(
     staging: str = "default",
     sinks: str = "default",
 ) -> list[WatchDecision]:
-    """One tick: request an eval point for every new ready checkpoint under `root`."""
+    """One tick: request an eval point for every new ready checkpoint under `root`.
+
+    An `s3://` root is listed with the endpoint and credentials of the StagingBlock
+    `storage_block` (default: the points' `staging` block, which their checks read it with).
+    """
     if not re.match(RUN_PATTERN, run):
         raise ValueError(f"run: {run!r} must match {RUN_PATTERN}")
     if min_step < 0:
@@ -148,8 +152,8 @@ def watch_checkpoints(
         raise ValueError(f"quiescence_seconds: must be > 0, got {quiescence_seconds}")
     logger = get_run_logger()
     options: dict[str, Any] = {}
-    if storage_block and root.startswith(("s3://", "s3a://")):
-        options = load_block(StagingBlock, storage_block).model_copy(update={"root": root}).storage_options()
+    if root.startswith(("s3://", "s3a://")):  # the points read it with the same block's credentials
+        options = load_block(StagingBlock, storage_block or staging).s3_options()
     checkpoints = scan(root, options)
     blocks = BlockNames(suite=suite, fleet=fleet, staging=staging, sinks=sinks)
 

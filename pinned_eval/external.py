@@ -6,8 +6,10 @@
 - `async evaluate_checkpoint(checkpoint_dir, input) -> EvalResults` measures the weights in
   `checkpoint_dir` as `input.weight_version` (= str(step)). Async, as in miles; a plain `def` that
   returns `EvalResults` is accepted too (`run_backend` awaits only awaitables);
-- `dispose()` tears down what the constructor launched, and only that; it is called exactly once,
-  also after a skip or a crash;
+- one instance serves every point of its process with that configuration, one point at a time
+  (the flow holds the configuration's lock), so `evaluate_checkpoint` re-pins per call;
+- `dispose()` tears down what the constructor launched, and only that; it is called exactly once:
+  after a crash of one of its evals (the next point builds a new instance) or at process exit;
 - `raise EvalSkip(reason)` for an attributable non-result: the point records
   `eval/skipped_<reason>: 1` (a lowercase slug, e.g. "quota"); any other exception is a crash.
 

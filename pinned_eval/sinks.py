@@ -1,4 +1,4 @@
-"""Metric sinks without Prefect: the JSONL file and the training run's W&B run.
+"""Metric sinks without Prefect: the JSONL file and W&B beside the training run.
 
 A point's record is one row per dataset (measured) or one row with `dataset = None` (skipped or
 crashed). Writing a point replaces every earlier row of the same (run, step), so a rerun
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -90,6 +90,25 @@ class JsonlSink:
             os.replace(tmp, self.path)
 
 
+WandbWriter = Literal["eval_run", "shared"]
+
+
+def wandb_eval_run_id(training_run_id: str) -> str:
+    """The dedicated eval run of a training run (writer `eval_run`), grouped with it."""
+    return f"{training_run_id}-eval"
+
+
+_QUIET: dict[str, Any] = {"silent": True, "x_disable_stats": True, "console": "off"}
+
+
+def shared_writer_settings(label: str) -> Any:
+    """W&B settings of a secondary writer into a live run (shared mode, online only): labelled
+    `label`, not the primary (no run files of its own), and its finish leaves the run running."""
+    import wandb
+
+    return wandb.Settings(mode="shared", x_label=label, x_primary=False, x_update_finish_state=False, **_QUIET)
+
+
 def log_to_wandb(
     metrics: dict[str, float],
     *,
@@ -98,20 +117,35 @@ def log_to_wandb(
     entity: str | None,
     mode: str,
     directory: str | None,
+    writer: WandbWriter = "eval_run",
+    label: str = "pinned-eval",
 ) -> None:
-    """Log one point's metrics into the training run's W&B run at `eval/step`."""
+    """Log one point's metrics beside the training run `run_id`, on the `eval/step` axis.
+
+    `eval_run`: into the dedicated run `wandb_eval_run_id(run_id)` (`group=run_id`,
+    `job_type="eval"`), created by the first point and resumed by id by later ones; the training
+    run itself is never resumed. `shared` (online only): into the live training run through W&B's
+    shared mode, as a secondary writer (`x_primary=False`, labelled `label`) whose finish leaves
+    the run's state alone. Either way every `eval/*` metric is plotted against `eval/step`.
+    """
     import wandb  # wandb: optional extra, slow import
 
-    wb = wandb.init(
-        project=project,
-        entity=entity,
-        id=run_id,
-        resume="allow",
-        mode=mode,  # type: ignore[arg-type]
-        dir=directory,
-        reinit="create_new",
-        settings=wandb.Settings(silent=True, x_disable_stats=True, console="off"),
-    )
+    if writer == "shared":
+        wb = wandb.init(project=project, entity=entity, id=run_id, dir=directory, reinit="create_new",
+                        settings=shared_writer_settings(label))
+    else:
+        wb = wandb.init(
+            project=project,
+            entity=entity,
+            id=wandb_eval_run_id(run_id),
+            resume="allow",
+            group=run_id,
+            job_type="eval",
+            mode=mode,  # type: ignore[arg-type]
+            dir=directory,
+            reinit="create_new",
+            settings=wandb.Settings(**_QUIET),
+        )
     try:
         wb.define_metric("eval/step")
         wb.define_metric("eval/*", step_metric="eval/step")

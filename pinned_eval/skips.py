@@ -21,6 +21,7 @@ class SkipReason(StrEnum):
     UNHEALTHY = "unhealthy"
     PIN_VIOLATION = "pin_violation"
     REWARD_UNAVAILABLE = "reward_unavailable"  # the remote scoring service gave no reward
+    TIMED_OUT = "timed_out"  # the point ran past the suite block's point_timeout_seconds
     CRASHED = "crashed"
 
 

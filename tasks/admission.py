@@ -1,10 +1,11 @@
-"""Admission: the in-flight bound of a run, and the fleet's pin lock, as global concurrency limits.
+"""Admission: the in-flight bound of a run, and the pin locks, as global concurrency limits.
 
 Contract: `admitted(...)` holds one slot of `eval-inflight-<run>` (limit = max_in_flight) for the
 body; under policy `skip` a full limit raises `EvalSkipped(BUSY)` at once, under `backpressure`
-(and always for the final point) it waits. `fleet_lock(name)` holds `fleet-<name>` (limit 1)
-through pin and generate. Limits are acquired with `strict=True` (a missing limit would otherwise
-mean *no* limit) and created here when missing; an existing limit's size is left alone.
+(and always for the final point) it waits. `pin_lock(name)` holds `fleet-<name>` (limit 1)
+through pin and generate, or an external backend's `backend-<class>-<digest>` through its eval.
+Limits are acquired with `strict=True` (a missing limit would otherwise mean *no* limit) and
+created here when missing; an existing limit's size is left alone.
 Leases are 60 s and renewed, so a SIGKILLed holder frees its slot within ~75 s.
 """
 
@@ -81,8 +82,13 @@ def admitted(run: str, step: int, *, policy: str, final: bool, max_in_flight: in
 
 
 @contextmanager
-def fleet_lock(lock_name: str) -> Iterator[None]:
-    """Hold the fleet's pin lock (limit 1): one point pins and generates on a fleet at a time."""
+def exclusive(lock_name: str) -> Iterator[None]:
+    """Hold the limit `lock_name` (size 1) for the body. Pin locks: one point pins and measures on
+    a fleet (`fleet-<name>`) or an external backend configuration (`backend-<class>-<digest>`) at
+    a time; `wandb-<eval run id>`: one writer of a dedicated W&B eval run at a time."""
     ensure_limit(lock_name, 1)
     with concurrency(lock_name, occupy=1, strict=True, lease_duration=LEASE_SECONDS):
         yield
+
+
+pin_lock = fleet_lock = exclusive

@@ -23,7 +23,8 @@ from prefect.variables import Variable
 from blocks.sinks import SinksBlock
 from pinned_eval.points import history_artifact_key, progress_variable_name
 from pinned_eval.scoring.metrics import skip_metrics
-from pinned_eval.sinks import JsonlSink, MetricRow, log_to_wandb
+from pinned_eval.sinks import JsonlSink, MetricRow, log_to_wandb, wandb_eval_run_id
+from tasks.admission import exclusive
 
 
 def trainer_step(run: str) -> int | None:
@@ -84,17 +85,7 @@ def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> 
     if sinks.jsonl_path:
         JsonlSink(sinks.jsonl_path).write_point(rows)
     if sinks.wandb_project and sinks.wandb_mode != "disabled":
-        merged: dict[str, float] = {}
-        for r in rows:
-            merged.update(r.metrics)
-        log_to_wandb(
-            merged,
-            project=sinks.wandb_project,
-            run_id=sinks.wandb_run_id or run,
-            entity=sinks.wandb_entity,
-            mode=sinks.wandb_mode,
-            directory=sinks.wandb_dir,
-        )
+        _log_wandb(run, step, rows, sinks, sinks.wandb_project)
     key = f"{history_artifact_key(run)}-step-{step}"
     create_table_artifact(
         table=[{"dataset": r.dataset or "", "state": r.state, "reason": r.reason or "", **r.metrics} for r in rows],
@@ -103,6 +94,29 @@ def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> 
     )
     _update_history(run, rows, sinks.jsonl_path)
     get_run_logger().info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
+
+
+def _log_wandb(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock, project: str) -> None:
+    """One W&B row per point. The dedicated eval run has one writer at a time (the lock
+    `wandb-<eval run id>`, limit 1): concurrent points resume it in turn, never at once."""
+    merged: dict[str, float] = {}
+    for r in rows:
+        merged.update(r.metrics)
+    training_run = sinks.wandb_run_id or run
+    kwargs: dict[str, Any] = {
+        "project": project,
+        "run_id": training_run,
+        "entity": sinks.wandb_entity,
+        "mode": sinks.wandb_mode,
+        "directory": sinks.wandb_dir,
+        "writer": sinks.wandb_writer,
+        "label": f"pinned-eval-{run}-step-{step}",
+    }
+    if sinks.wandb_writer == "shared":
+        log_to_wandb(merged, **kwargs)
+        return
+    with exclusive(f"wandb-{wandb_eval_run_id(training_run)}"):
+        log_to_wandb(merged, **kwargs)
 
 
 def measured_rows(

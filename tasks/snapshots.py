@@ -11,7 +11,8 @@ Contract:
 - `check_snapshot_task` reads headers only (an adapter snapshot is checked as one: config and
   `adapter_model.safetensors`, never as a full model) and raises `EvalSkipped(CKPT_MISSING)` with the
   typed problem (missing marker, truncated shard, ...; a base checkpoint without a marker gets
-  every structural check but the marker's); an S3 snapshot is then materialized
+  every structural check but the marker's), reading S3 with the staging block's endpoint and
+  credentials (also for `hf` sources on S3); an S3 snapshot is then materialized
   into the engine-visible local cache and `Snapshot.local_path` is set.
 - `retire_snapshot` runs in the flow's `finally` and the `on_crashed` hook: owned snapshots
   enter the run's keep-ring, anything else is left alone.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -118,12 +120,15 @@ def _export_lora(adapter: str, base: str, dest: str, staging: Staging, mode: Lor
 
 
 @task(cache_policy=NO_CACHE, task_run_name="check")
-def check_snapshot_task(snapshot: Snapshot, staging: Staging) -> Snapshot:
-    options = staging.storage_options if snapshot.owned else None
+def check_snapshot_task(snapshot: Snapshot, staging: Staging, s3_options: dict[str, Any] | None = None) -> Snapshot:
+    """`s3_options`: how to read an `s3://` snapshot that is not staging's own (an `hf` source),
+    the staging block's endpoint and credentials; an owned one is read with staging's options."""
+    remote = snapshot.path.startswith(("s3://", "s3a://"))
+    options = staging.storage_options if snapshot.owned else (s3_options if remote else None)
     result = check_snapshot(snapshot.path, options, require_marker=snapshot.require_marker, adapter=snapshot.adapter)
     if not result.complete:
         raise EvalSkipped(SkipReason.CKPT_MISSING, f"{snapshot.path}: {result.problem}: {result.detail}")
-    local = staging.materialize(snapshot.path) if snapshot.path.startswith("s3://") else Path(snapshot.path)
+    local = staging.materialize(snapshot.path, options) if remote else Path(snapshot.path)
     return snapshot.model_copy(update={"local_path": str(local)})
 
 

@@ -33,6 +33,18 @@ def prefect_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[
     )
 
 
+def without_aws_credentials(env: dict[str, str], empty_dir: Path) -> dict[str, str]:
+    """`env` where no AWS variable or file can supply S3 credentials or an endpoint: points get
+    them from their staging block only (the CA bundle setting stays)."""
+    kept = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_CA_BUNDLE"}
+    return dict(
+        kept,
+        AWS_SHARED_CREDENTIALS_FILE=str(empty_dir / "no-aws-credentials"),
+        AWS_CONFIG_FILE=str(empty_dir / "no-aws-config"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+
+
 @pytest.fixture(scope="session")
 def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PINNED_EVAL_PROJECT_DIR=str(REPO))
@@ -40,11 +52,16 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     assert pool.returncode == 0, pool.stdout + pool.stderr
     dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert dep.returncode == 0, dep.stdout + dep.stderr
-    log = open(tmp_path_factory.mktemp("worker") / "worker.log", "w")  # noqa: SIM115 - closed at teardown
+    worker_dir = tmp_path_factory.mktemp("worker")
+    log = open(worker_dir / "worker.log", "w")  # noqa: SIM115 - closed at teardown
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process"],
         cwd=REPO,
-        env=dict(env, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1"),
+        env=dict(
+            without_aws_credentials(env, worker_dir),
+            PREFECT_WORKER_QUERY_SECONDS="1",
+            PREFECT_WORKER_PREFETCH_SECONDS="1",
+        ),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -90,6 +90,7 @@ def save_point_blocks(
     suite: EvalSuite = SMALL_SUITE,
     keep_snapshots: int = 2,
     wandb: bool = False,
+    point_timeout_seconds: float | None = None,
 ) -> PointEnv:
     tag = uuid.uuid4().hex[:8]
     run = f"t{tag}"
@@ -97,7 +98,8 @@ def save_point_blocks(
     staging_root.mkdir()
     jsonl = tmp_path / "metrics.jsonl"
     names = {"suite": f"suite-{tag}", "fleet": f"fleet-{tag}", "staging": f"staging-{tag}", "sinks": f"sinks-{tag}"}
-    EvalSuiteBlock(suite=suite).save(names["suite"])
+    deadline = {"point_timeout_seconds": point_timeout_seconds} if point_timeout_seconds else {}
+    EvalSuiteBlock(suite=suite, **deadline).save(names["suite"])
     fleet.save(names["fleet"])
     StagingBlock(root=str(staging_root), keep_snapshots=keep_snapshots).save(names["staging"])
     wandb_opts = (

@@ -38,6 +38,34 @@ def _records(data: bytes) -> Iterator[bytes]:
             pending = b""
 
 
+def _parsed(wandb_dir: Path) -> Iterator[Any]:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    for path in sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        for raw in _records(path.read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            yield rec
+
+
+def runs(wandb_dir: Path) -> list[dict[str, str]]:
+    """The run record of every offline run file: id, group, job type."""
+    return [
+        {"id": r.run.run_id, "group": r.run.run_group, "job_type": r.run.job_type}
+        for r in _parsed(wandb_dir)
+        if r.WhichOneof("record_type") == "run"
+    ]
+
+
+def metric_definitions(wandb_dir: Path) -> set[tuple[str, str]]:
+    """(name or glob, step metric) of every `define_metric` record."""
+    return {
+        (r.metric.name or r.metric.glob_name, r.metric.step_metric)
+        for r in _parsed(wandb_dir)
+        if r.WhichOneof("record_type") == "metric"
+    }
+
+
 def history_rows(wandb_dir: Path) -> list[dict[str, Any]]:
     """Every logged history row of every offline run under `wandb_dir`, in file order."""
     from wandb.proto import wandb_internal_pb2 as pb

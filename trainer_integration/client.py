@@ -11,7 +11,8 @@ Contract:
 - an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
   is timed as `export_time_seconds`; a storage or converter failure of it
   (`pinned_eval.snapshot.errors.EXPORT_ERRORS`) removes the partial output and records
-  `export_failed` at the step.
+  `export_failed` at the step. An `s3://` staging root uses `storage_options`, else the saved
+  staging block's endpoint and credentials (fetched once, by name, over the API).
 - every request is written ahead to the durable spool and sent by a background thread, so the
   non-waiting call costs the loop one admission query plus one fsync; `dispatch` never raises
   into training for storage or API failures (logged, they become skip records); a programming
@@ -45,9 +46,9 @@ from pinned_eval.polling import PollTimeout, poll_until
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
-from pinned_eval.snapshot.staging import Staging
 from trainer_integration.events import (
     SINKS_BLOCK_SLUG,
+    STAGING_BLOCK_SLUG,
     Delivery,
     event_entry,
     run_request_entry,
@@ -92,6 +93,7 @@ class EvalClient:
         backend: str | None = None,
         backend_options: dict[str, Any] | None = None,
         lora_base: str | Path | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         """`lora_base`: in-loop exports write a PEFT LoRA adapter (e.g. `write_adapter_snapshot(peft_model,
         dest)`) for this base HF dir, so they are dispatched as `lora` sources (the fleet block's
@@ -114,9 +116,9 @@ class EvalClient:
         self.eval_interval = eval_interval
         self.poll_s = poll_s
         self.visible_timeout_s = visible_timeout_s
-        self._staging: Any = None
-        if staging_root is not None:
-            self._staging = Staging(str(staging_root))
+        self._staging_root = str(staging_root) if staging_root is not None else None
+        self._storage_options = storage_options
+        self._store: Any = None
         self.rest = PrefectRest(url, http or api_client(settings))
         self._latest_step: int | None = None
         self._progress = threading.Event()
@@ -144,6 +146,40 @@ class EvalClient:
         self.deliverer.start()
         self._progress_thread.start()
         self.deliverer.kick()
+
+    @property
+    def _staging(self) -> Any:
+        """The in-loop export's `Staging`, built at the first export. An `s3://` root without
+        explicit `storage_options` is written with the staging block's endpoint and credentials
+        (read by name over the API, as the points read it); a failure here is that point's
+        `export_failed`, never an exception in the loop."""
+        if self._store is None and self._staging_root is not None:
+            from pinned_eval.snapshot.staging import Staging
+
+            options = self._storage_options
+            if options is None and self._staging_root.startswith(("s3://", "s3a://")):
+                options = self._block_s3_options()
+            self._store = Staging(self._staging_root, storage_options=options)
+        return self._store
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options an exporter writes `dest` with (`write_snapshot(..., storage_options=)`)."""
+        return dict(self._staging.storage_options) if self._staging is not None else {}
+
+    def _block_s3_options(self) -> dict[str, Any]:
+        from pinned_eval.snapshot.layout import s3_storage_options
+
+        data = self.rest.block_data(STAGING_BLOCK_SLUG, self.blocks.staging, include_secrets=True)
+        if data is None:
+            raise ValueError(
+                f"staging_root: {self._staging_root} is on S3 but the staging block {self.blocks.staging!r} "
+                "does not exist; save it or pass storage_options"
+            )
+        return s3_storage_options(
+            data.get("endpoint_url"), data.get("region_name"), data.get("aws_access_key_id"),
+            data.get("aws_secret_access_key"),
+        )
 
     # ---- admission -----------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from trainer_integration.spool import RejectedDeliveryError, SpoolEntry, Transie
 log = logging.getLogger(__name__)
 
 SINKS_BLOCK_SLUG = "pinned-eval-sinks"
+STAGING_BLOCK_SLUG = "pinned-eval-staging"
 _TRANSIENT_4XX = {401, 403, 408, 429}
 
 

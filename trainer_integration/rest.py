@@ -144,8 +144,10 @@ class PrefectRest:
         resp.raise_for_status()
         return resp.json()["value"]
 
-    def block_data(self, slug: str, name: str) -> dict[str, Any] | None:
-        resp = self._call("GET", f"/block_types/slug/{slug}/block_documents/name/{name}")
+    def block_data(self, slug: str, name: str, *, include_secrets: bool = False) -> dict[str, Any] | None:
+        """A saved block's fields (secret ones in clear only with `include_secrets`), or None."""
+        params = {"include_secrets": "true"} if include_secrets else None
+        resp = self._call("GET", f"/block_types/slug/{slug}/block_documents/name/{name}", params=params)
         if resp.status_code == 404:
             return None
         resp.raise_for_status()

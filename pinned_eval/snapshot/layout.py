@@ -81,6 +81,25 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Ab
     return fs, path.rstrip("/") or path
 
 
+def s3_storage_options(
+    endpoint_url: str | None = None,
+    region_name: str | None = None,
+    key: str | None = None,
+    secret: str | None = None,
+) -> dict[str, Any]:
+    """s3fs options from a staging configuration's S3 fields (unset fields are left to botocore)."""
+    opts: dict[str, Any] = {}
+    if endpoint_url:
+        opts["endpoint_url"] = endpoint_url
+    if region_name:
+        opts["client_kwargs"] = {"region_name": region_name}
+    if key:
+        opts["key"] = key
+    if secret:
+        opts["secret"] = secret
+    return opts
+
+
 def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 

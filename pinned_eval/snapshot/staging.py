@@ -234,10 +234,12 @@ class Staging:
 
     # ---- local materialization ---------------------------------------------------------------
 
-    def materialize(self, url: str) -> Path:
-        """An engine-visible local directory holding the complete snapshot at `url`."""
-        fs, fs_path = resolve(url, self.storage_options)
-        remote = check_snapshot(url, self.storage_options)
+    def materialize(self, url: str, storage_options: dict[str, Any] | None = None) -> Path:
+        """An engine-visible local directory holding the complete snapshot at `url` (read with
+        `storage_options`, default the root's: a checkpoint outside staging may need its own)."""
+        options = self.storage_options if storage_options is None else storage_options
+        fs, fs_path = resolve(url, options)
+        remote = check_snapshot(url, options)
         if not remote.complete:
             raise SnapshotIncompleteError(remote)
         if is_local(fs):

@@ -13,16 +13,16 @@ from prefect import get_client
 from prefect.artifacts import Artifact
 from prefect.variables import Variable
 
-from blocks import FleetBlock, StagingBlock
+from blocks import EvalSuiteBlock, FleetBlock, StagingBlock
 from flows.eval_point import eval_point
-from pinned_eval.points import history_artifact_key, progress_variable_name
+from pinned_eval.points import history_artifact_key, inflight_limit_name, progress_variable_name
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.layout import RETIRED
 from tasks.admission import admitted
 from tests.conftest import free_port
 from tests.faults import RelabelingProxy
-from tests.pointkit import SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
-from tests.wandb_offline import history_rows
+from tests.pointkit import SLOW_SUITE, SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
+from tests.wandb_offline import history_rows, metric_definitions, runs
 
 pytestmark = pytest.mark.e2e
 
@@ -119,18 +119,24 @@ def _hold_slot(run: str, release: threading.Event) -> None:
         release.wait(20)
 
 
-def test_missing_marker_and_truncated_shard_are_ckpt_missing(point_env: PointEnv, tiny_model: Path) -> None:
+def test_missing_marker_and_truncated_shard_are_ckpt_missing(
+    prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    fleet = FleetBlock(name="ckpt", mode="launch", state_file=str(cpu_fleet.state_file))
+    point_env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
     src = staged(point_env, 3, tiny_model)
     (Path(src["path"]) / ".complete").unlink()
     state, _ = run_point(point_env, 3, source=src)
     assert state.name == "Skipped" and state.message.startswith("ckpt_missing")
     assert "missing_marker" in state.message
+    assert not Path(src["path"]).exists(), "a ckpt_missing point still retires its owned snapshot"
 
     src = staged(point_env, 4, tiny_model)
     shard = sorted(Path(src["path"]).glob("model-*.safetensors"))[0]
     os.truncate(shard, shard.stat().st_size - 1)
     state, _ = run_point(point_env, 4, source=src)
     assert state.name == "Skipped" and "truncated_shard" in state.message
+    assert not Path(src["path"]).exists()
     reasons = {r.step: r.reason for r in JsonlSink(point_env.jsonl).read(point_env.run)}
     assert reasons == {3: "ckpt_missing", 4: "ckpt_missing"}
 
@@ -140,9 +146,11 @@ def test_engines_down_in_attach_mode_is_unhealthy(
 ) -> None:
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     fleet = FleetBlock(name="dead", mode="attach", engine_urls=dead, router_url=f"http://127.0.0.1:{free_port()}")
-    env = save_point_blocks(tmp_path, fleet)
-    state, _ = run_point(env, 9, source={"kind": "hf", "path": str(tiny_model), "require_marker": False})
+    env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
+    src = staged(env, 9, tiny_model)
+    state, _ = run_point(env, 9, source=src)
     assert state.name == "Skipped" and state.message.startswith("unhealthy"), state.message
+    assert not Path(src["path"]).exists(), "an unhealthy point still retires its owned snapshot"
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert row.metrics["eval/skipped_unhealthy"] == 1 and row.step == 9
 
@@ -199,11 +207,13 @@ def test_engine_reporting_another_version_is_pin_violation(
     proxy = RelabelingProxy(liar, "999")
     try:
         fleet = FleetBlock(name="liar", mode="attach", engine_urls=[proxy.url, honest], router_url=cpu_fleet.router_url)
-        env = save_point_blocks(tmp_path, fleet)
-        state, _ = run_point(env, 14, source=staged(env, 14, tiny_model))
+        env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
+        src = staged(env, 14, tiny_model)
+        state, _ = run_point(env, 14, source=src)
     finally:
         proxy.close()
     assert state.name == "Skipped" and state.message.startswith("pin_violation"), state.message
+    assert not Path(src["path"]).exists(), "a pin_violation point still retires its owned snapshot"
     assert proxy.loads == 2, "two attempts, then the skip"
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert row.metrics["eval/skipped_pin_violation"] == 1
@@ -230,3 +240,58 @@ def test_bad_parameters_are_refused_naming_the_field_before_anything_runs(prefec
     state = eval_point(**env.params(3, source={"kind": "hf", "path": "/x"}, posture="external"), return_state=True)
     assert state.is_failed() and "backend" in str(state.message), state.message
     assert not env.jsonl.exists() or JsonlSink(env.jsonl).read(env.run) == []
+
+
+def test_point_past_its_deadline_is_timed_out_and_frees_lock_slot_and_snapshot(
+    prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    fleet = FleetBlock(name="deadline", mode="launch", state_file=str(cpu_fleet.state_file))
+    # SLOW_SUITE scores for ~12 s; the deadline ends the point well before that
+    env = save_point_blocks(tmp_path, fleet, suite=SLOW_SUITE, keep_snapshots=0, point_timeout_seconds=6)
+    src = staged(env, 21, tiny_model)
+    state, _ = run_point(env, 21, source=src, max_in_flight=1)
+    assert state.is_completed() and state.name == "Skipped", state.message
+    assert state.message.startswith("timed_out: step 21"), state.message
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    assert (row.step, row.state, row.reason) == (21, "skipped", "timed_out")
+    assert row.metrics["eval/skipped_timed_out"] == 1 and row.metrics["eval/step"] == 21
+    history = Artifact.get(history_artifact_key(env.run))
+    assert history is not None
+    table = json.loads(history.data) if isinstance(history.data, str) else history.data
+    assert [(r["step"], r["state"], r["reason"]) for r in table] == [(21, "skipped", "timed_out")]
+    assert not Path(src["path"]).exists(), "a timed-out point retires its owned snapshot"
+    with get_client(sync_client=True) as c:
+        for name in (FleetBlock.load(env.blocks["fleet"]).lock_name, inflight_limit_name(env.run)):
+            assert c.read_global_concurrency_limit_by_name(name).active_slots == 0, name
+    # the fleet serves the run's next point (a fast suite) at once
+    EvalSuiteBlock(suite=SMALL_SUITE).save(fast := f"{env.blocks['suite']}-fast")
+    state, _ = run_point(env, 22, source=staged(env, 22, tiny_model), max_in_flight=1, suite=fast)
+    assert state.name == "Completed", state.message
+    assert [r.step for r in JsonlSink(env.jsonl).read(env.run) if r.state == "measured"] == [22, 22]
+
+
+def test_wandb_rows_go_to_an_eval_run_grouped_with_the_training_run(
+    prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    from blocks import SinksBlock
+
+    fleet = FleetBlock(name="wandb", mode="launch", state_file=str(cpu_fleet.state_file))
+    env = save_point_blocks(tmp_path, fleet, wandb=True)
+    sinks = SinksBlock.load(env.blocks["sinks"]).model_copy(update={"wandb_run_id": f"train-{env.run}"})
+    sinks.save(env.blocks["sinks"], overwrite=True)  # the live training run the rows go beside
+    state, _ = run_point(env, 5, source=staged(env, 5, tiny_model))
+    assert state.name == "Completed", state.message
+    src = staged(env, 6, tiny_model)
+    (Path(src["path"]) / ".complete").unlink()
+    state, _ = run_point(env, 6, source=src)
+    assert state.name == "Skipped", state.message
+
+    # one dedicated eval run, resumed by the second point; the training run is never opened
+    assert {tuple(r.values()) for r in runs(tmp_path)} == {(f"train-{env.run}-eval", f"train-{env.run}", "eval")}
+    assert ("eval/*", "eval/step") in metric_definitions(tmp_path)
+    rows = history_rows(tmp_path)
+    assert [r["eval/step"] for r in rows] == [5, 6]
+    assert rows[0]["eval/arith_add/weight_version/mean"] == 5 and rows[1]["eval/skipped_ckpt_missing"] == 1
+    with get_client(sync_client=True) as c:
+        lock = c.read_global_concurrency_limit_by_name(f"wandb-train-{env.run}-eval")
+    assert (lock.limit, lock.active_slots) == (1, 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from prefect.states import Completed
 
 from pinned_eval.external import (
     CheckpointEvalFn,
+    DatasetResult,
     EvalInput,
     EvalResults,
     EvalSkip,
@@ -24,7 +26,7 @@ from pinned_eval.external import (
 from pinned_eval.fleet.cpu_engine import EngineProcess
 from pinned_eval.processes import is_running
 from pinned_eval.skips import EvalSkipped, skip_metric
-from tasks.external import evaluate_external
+from tasks.external import BACKENDS, evaluate_external
 from tests.e2e.conftest import EngineStarter
 from tests.pointkit import SMALL_SUITE, write_step_snapshot
 from trainer_integration.sglang_backend import SGLangCheckpointEval
@@ -136,9 +138,11 @@ def test_task_in_a_flow_run_measures_and_publishes_samples(
 ) -> None:
     snap = _snapshot(tiny_model, tmp_path, 12)
     options = {"launch": "cpu", "model_path": str(tiny_model), "log_dir": str(tmp_path / "logs")}
-    state = external_probe(
-        "trainer_integration.sglang_backend:SGLangCheckpointEval", snap, "ext-run", 12, options, return_state=True
-    )
+    path = "trainer_integration.sglang_backend:SGLangCheckpointEval"
+    try:
+        state = external_probe(path, snap, "ext-run", 12, options, return_state=True)
+    finally:
+        BACKENDS.drop(path, options)  # stops the server it launched (else: at interpreter exit)
     assert state.is_completed() and state.name == "Completed", state.message
     metrics = state.result()
     assert {ds: m[f"eval/{ds}/weight_version/mean"] for ds, m in metrics.items()} == {"arith_add": 12, "arith_sub": 12}
@@ -184,12 +188,16 @@ def test_eval_point_external_posture_measures_its_step(prefect_server: str, tiny
     env = _external_env(tmp_path)
     snap = _snapshot(tiny_model, tmp_path, 14)
     options = {"launch": "cpu", "model_path": str(tiny_model), "log_dir": str(tmp_path / "logs")}
-    state = eval_point(
-        **env.params(14, source={"kind": "hf", "path": snap}, posture="external"),
-        backend="trainer_integration.sglang_backend:SGLangCheckpointEval",
-        backend_options=options,
-        return_state=True,
-    )
+    path = "trainer_integration.sglang_backend:SGLangCheckpointEval"
+    try:
+        state = eval_point(
+            **env.params(14, source={"kind": "hf", "path": snap}, posture="external"),
+            backend=path,
+            backend_options=options,
+            return_state=True,
+        )
+    finally:
+        BACKENDS.drop(path, options)
     assert state.is_completed() and state.name == "Completed", state.message
     rows = JsonlSink(env.jsonl).read(env.run)
     assert {r.dataset for r in rows} == {"arith_add", "arith_sub"}
@@ -215,3 +223,73 @@ def test_eval_point_external_quota_is_skipped_quota(prefect_server: str, tiny_mo
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert row.state == "skipped" and row.reason == "quota"
     assert row.metrics["eval/skipped_quota"] == 1 and row.metrics["eval/step"] == 15
+
+
+class SerialProbe(CheckpointEvalFn):
+    """Records its construction and every eval's begin/end (the pin and the eval of one version)."""
+
+    events: ClassVar[list[tuple[str, str]]] = []
+
+    def __init__(self, tag: str) -> None:
+        SerialProbe.events.append(("init", tag))
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
+        import asyncio
+
+        v = input.weight_version
+        SerialProbe.events.append(("pin", v))
+        await asyncio.sleep(1.5)  # a second point interleaving here would re-pin this one
+        SerialProbe.events.append(("evaluated", v))
+        return EvalResults(
+            data={
+                ds.name: DatasetResult(rewards=[1.0] * 6, truncated=[False] * 6, weight_versions=[v] * 6,
+                                       response_lens=[1] * 6)
+                for ds in input.datasets
+            }
+        )
+
+
+def test_concurrent_external_points_serialize_on_one_backend_built_once(
+    prefect_server: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    import threading
+    import uuid
+
+    from flows.eval_point import eval_point
+    from pinned_eval.sinks import JsonlSink
+    from tasks.external import backend_lock_name
+
+    env = _external_env(tmp_path)
+    options = {"tag": uuid.uuid4().hex[:8]}  # a configuration no other test has built
+    SerialProbe.events = []
+    states: dict[int, object] = {}
+
+    def point(step: int) -> None:
+        snap = _snapshot(tiny_model, tmp_path, step)
+        states[step] = eval_point(
+            **env.params(step, source={"kind": "hf", "path": snap}, posture="external", max_in_flight=2),
+            backend=f"{__name__}:SerialProbe",
+            backend_options=options,
+            return_state=True,
+        )
+
+    threads = [threading.Thread(target=point, args=(s,)) for s in (21, 22)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert all(s.name == "Completed" for s in states.values()), states  # type: ignore[attr-defined]
+        init, *evals = SerialProbe.events
+        assert init == ("init", options["tag"]), "constructed once, by the first point"
+        assert sorted(evals) == sorted([("pin", "21"), ("evaluated", "21"), ("pin", "22"), ("evaluated", "22")])
+        # pin → evaluated of one version, then the other's: never interleaved
+        assert evals[0][1] == evals[1][1] and evals[2][1] == evals[3][1], evals
+        assert [e[0] for e in evals] == ["pin", "evaluated", "pin", "evaluated"]
+        with get_client(sync_client=True) as c:
+            limit = c.read_global_concurrency_limit_by_name(backend_lock_name(f"{__name__}:SerialProbe", options))
+        assert (limit.limit, limit.active_slots) == (1, 0)
+        measured = {(r.step, r.weight_version) for r in JsonlSink(env.jsonl).read(env.run)}
+        assert measured == {(21, "21"), (22, "22")}
+    finally:
+        BACKENDS.drop(f"{__name__}:SerialProbe", options)

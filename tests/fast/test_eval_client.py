@@ -227,3 +227,16 @@ def test_trainer_integration_imports_without_prefect():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_s3_staging_credentials_come_from_options_or_the_block_never_raising(tmp_path: Path):
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    opts = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}
+    with EvalClient("exp42", dead, spool_dir=tmp_path / "a", staging_root="s3://bucket/stage",
+                    storage_options=opts) as client:
+        assert client.storage_options["key"] == "k" and client.storage_options["endpoint_url"] == opts["endpoint_url"]
+    exported: list[int] = []
+    with EvalClient("exp42", dead, spool_dir=tmp_path / "b", staging_root="s3://bucket/stage") as client:
+        # the block cannot be read (API down): that point is export_failed, the loop goes on
+        result = client.dispatch(3, export=lambda step, dest: exported.append(step))
+    assert result.action == "skipped_export_failed" and exported == []

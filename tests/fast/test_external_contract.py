@@ -6,6 +6,8 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -26,7 +28,7 @@ from pinned_eval.external import (
 )
 from pinned_eval.skips import EvalSkipped, skip_metric
 from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
-from tasks.external import evaluate_external
+from tasks.external import BACKENDS, BackendCache, backend_lock_name, evaluate_external
 from trainer_integration.miles_adapter import AdapterConfig, MilesEvalSkip, PinnedEvalFn
 from trainer_integration.sglang_backend import SGLangBackendConfig, launch_spec, sglang_launch_spec
 
@@ -179,22 +181,78 @@ async def test_run_backend_accepts_async_and_sync() -> None:
     assert (await run_backend(RecordingBackend(), "/snap", _input())).metrics == {"eval/backend_seconds": 2.5}
 
 
-@pytest.mark.parametrize(("mode", "error", "reason"), [("quota", EvalSkipped, "quota"), ("boom", RuntimeError, None)])
-def test_task_maps_skips_and_always_disposes(mode: str, error: type[Exception], reason: str | None) -> None:
+@pytest.fixture
+def backends() -> Iterator[BackendCache]:
     RecordingBackend.calls = []
+    yield BACKENDS
+    BACKENDS.dispose_all()
+
+
+@pytest.mark.parametrize(("mode", "error", "reason"), [("quota", EvalSkipped, "quota"), ("boom", RuntimeError, None)])
+def test_task_maps_skips_and_drops_crashed_backends(
+    backends: BackendCache, mode: str, error: type[Exception], reason: str | None
+) -> None:
     with pytest.raises(error) as info:
         evaluate_external.fn(f"{__name__}:RecordingBackend", "/snap/step_5", "exp42", 5, SUITE, {"mode": mode})
     assert type(info.value) is error  # quota → a plain EvalSkipped (the flow's skip path), boom → a crash
     if reason:
         assert info.value.reason == reason and "no credits" in info.value.message
+        # an attributable skip keeps the instance for the next point; it is disposed at exit
+        assert RecordingBackend.calls == [("init", mode), ("eval", "/snap/step_5", "5")] and len(backends) == 1
+        backends.dispose_all()
     assert RecordingBackend.calls == [("init", mode), ("eval", "/snap/step_5", "5"), ("dispose",)]
+    assert len(backends) == 0
 
 
-def test_task_returns_metrics_per_dataset() -> None:
-    RecordingBackend.calls = []
-    out = evaluate_external.fn(f"{__name__}:RecordingBackend", "/snap", "exp42", 9, SUITE, record_samples=False)
+def test_task_reuses_one_backend_per_configuration(backends: BackendCache) -> None:
+    path = f"{__name__}:RecordingBackend"
+    out = evaluate_external.fn(path, "/snap", "exp42", 9, SUITE, record_samples=False)
     assert set(out) == {"greedy", "sampled"} and out["greedy"]["eval/greedy/weight_version/mean"] == 9
-    assert RecordingBackend.calls[-1] == ("dispose",)
+    evaluate_external.fn(path, "/snap", "exp42", 10, SUITE, record_samples=False)
+    evaluate_external.fn(path, "/snap", "exp42", 11, SUITE, {"mode": "measure"}, record_samples=False)
+    assert RecordingBackend.calls == [
+        ("init", "measure"), ("eval", "/snap", "9"), ("eval", "/snap", "10"),
+        ("init", "measure"), ("eval", "/snap", "11"),  # other options, another configuration
+    ]  # fmt: skip
+    assert backend_lock_name(path, None) == backend_lock_name(path, {})
+    assert backend_lock_name(path, None).startswith("backend-recordingbackend-")
+    assert backend_lock_name(path, None) != backend_lock_name(path, {"mode": "measure"})
+    with pytest.raises(ValueError, match="backend_options"):
+        backend_lock_name(path, {"mode": object()})
+
+
+class FileBackend(CheckpointEvalFn):
+    """Writes its lifecycle to `log` (a file), for a check across a process exit."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+        self._write("init")
+
+    def _write(self, line: str) -> None:
+        with open(self.log, "a") as f:
+            f.write(line + "\n")
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
+        self._write(f"eval {input.weight_version}")
+        return _results(input.weight_version)
+
+    def dispose(self) -> None:
+        self._write("dispose")
+
+
+def test_cached_backends_are_disposed_at_interpreter_exit(tmp_path: Path) -> None:
+    log = tmp_path / "lifecycle"
+    code = (
+        "from tasks.external import BACKENDS, BackendCache, backend_lock_name, evaluate_external\n"
+        f"from {__name__} import SUITE\n"
+        "for step in (1, 2):\n"
+        f"    evaluate_external.fn('{__name__}:FileBackend', '/snap', 'exp42', step, SUITE, {{'log': {str(log)!r}}},"
+        " record_samples=False)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines() == ["init", "eval 1", "eval 2", "dispose"]
 
 
 # ---------------------------------------------------------------------------- SGLang reference backend

@@ -54,6 +54,10 @@ def raw(data: bytes) -> Responder:
         (lambda: FleetBlock(mode="launch", state_file="/x", load_timeout_s=-1), "load_timeout_s"),
         (lambda: StagingBlock(root="/s", keep_snapshots=-1), "keep_snapshots"),
         (lambda: SinksBlock(wandb_mode="sometimes"), "wandb_mode"),
+        (lambda: SinksBlock(wandb_writer="shared", wandb_mode="offline"), "wandb_writer"),
+        (lambda: SinksBlock(wandb_writer="resume"), "wandb_writer"),
+        (lambda: EvalSuiteBlock(suite={"datasets": [{"name": "a", "path": "a.jsonl"}]}, point_timeout_seconds=0),
+         "point_timeout_seconds"),
         (lambda: EvalSuiteBlock(suite={"datasets": [{"name": "a", "path": "a.jsonl", "reward": "vibes"}]}), "reward"),
     ],
 )
