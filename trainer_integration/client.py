@@ -2,19 +2,22 @@
 
 Contract:
 - `dispatch(step, source=None, final=False, export=None)` admits the point *before* any in-loop
-  export, from the orchestrator's truth: the run's non-terminal eval-point flow runs, plus the
-  points this client requested that are not visible there yet (spooled, or sent and awaiting the
-  trigger), deduplicated by step. So a restarted trainer resumes with its in-flight points.
-  At `max_in_flight`: `skip` (never for the final point) records `busy` at the step without
-  exporting; `backpressure` waits for the oldest point. When the API is unreachable the point is
-  admitted (the flow's own global concurrency limit still bounds it) and spooled.
+  export, from local state only (never a network call on the caller's thread): the run's
+  non-terminal eval-point flow runs as last read by the admission thread, plus the points this
+  client requested that are not visible there yet (spooled, or sent and awaiting their run),
+  deduplicated by step. The admission thread re-reads the server every `poll_s` while points are
+  in flight (`idle_sync_s` otherwise), so the server stays the source of truth, also after a
+  restart of either side. At `max_in_flight`: `skip` (never for the final point) records `busy`
+  at the step without exporting; `backpressure` waits for the thread to see a slot free. While
+  that state is not fresh (no answer yet, or the last query failed) the point is admitted
+  (`admitted_offline`; the flow's own global concurrency limit still bounds it) and spooled.
 - an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
   is timed as `export_time_seconds`; its failure removes the partial output and records
   `export_failed` at the step.
-- every request is written ahead to the durable spool and sent by a background thread, so the
-  non-waiting call costs the loop one admission query plus one fsync; `dispatch` never raises
-  into training (failures are logged and become skip records). A step already requested or
-  recorded is not requested again.
+- every request is written ahead to the durable spool and sent by a background thread (the run
+  created directly on the deployment, the event as fallback: `trainer_integration.events`), so a
+  non-waiting call costs the loop one fsync; `dispatch` never raises into training (failures are
+  logged and become skip records). A step already requested or recorded is not requested again.
 - `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
   `eval/lag_steps` (latest value wins, sent in the background).
 - `drain(timeout)` delivers the spool and waits for every point to be terminal; `results()`
@@ -78,11 +81,14 @@ class EvalClient:
         settings: PrefectApiSettings | None = None,
         http: httpx.Client | None = None,
         poll_s: float = 0.5,
+        idle_sync_s: float = 5.0,
         visible_timeout_s: float = 120.0,
+        direct_runs: bool | None = None,
         backend: str | None = None,
         backend_options: dict[str, Any] | None = None,
     ) -> None:
         settings = settings or PrefectApiSettings()
+        webhook_url = webhook_url or settings.webhook_url
         url = api_url or settings.api_url
         if not url:
             raise ValueError("api_url: pass it or set PREFECT_API_URL")
@@ -98,6 +104,7 @@ class EvalClient:
         self.exporter = exporter
         self.eval_interval = eval_interval
         self.poll_s = poll_s
+        self.idle_sync_s = idle_sync_s
         self.visible_timeout_s = visible_timeout_s
         self._staging: Any = None
         if staging_root is not None:
@@ -111,25 +118,33 @@ class EvalClient:
         self._recorded: set[int] = set()  # steps this client recorded as skipped (never in flight)
         self._sent: dict[int, PointRequest] = {}  # step -> the point request sent as an event
         self._fallen_back: set[int] = set()  # steps re-requested as a direct flow run
+        self._lost: set[int] = set()  # steps sent whose run never appeared (warned once)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # admission state refreshed
+        self._server_busy: set[int] = set()  # non-terminal steps on the server at the last sync
+        self._fresh = False  # the last sync answered
+        self._known: set[int] = set()  # steps with a flow run seen on the server
         spool_root = Path(spool_dir) if spool_dir else get_settings().home / "spool"
         self.spool = Spool(spool_root / run)
         self.deliverer = Deliverer(
             self.spool,
             Delivery(
                 self.rest,
-                webhook_url=webhook_url or settings.webhook_url,
+                webhook_url=webhook_url,
                 deployment=deployment,
+                direct_runs=not webhook_url if direct_runs is None else direct_runs,
                 latest_step=lambda: self._latest_step,
             ),
         )
         for entry in self.spool.pending():  # a previous process's undelivered requests
             self._note(entry)
-        self._known: set[int] = set()  # steps with a flow run seen on the server
         self._stop = threading.Event()
+        self._sync_wake = threading.Event()
         self._progress_thread = threading.Thread(target=self._progress_loop, name="pinned-eval-progress", daemon=True)
+        self._sync_thread = threading.Thread(target=self._sync_loop, name="pinned-eval-admission", daemon=True)
         self.deliverer.start()
         self._progress_thread.start()
+        self._sync_thread.start()
         self.deliverer.kick()
 
     # ---- admission -----------------------------------------------------------------------------
@@ -139,61 +154,102 @@ class EvalClient:
         return final or self.eval_interval is None or (step + 1) % self.eval_interval == 0
 
     def in_flight(self) -> set[int]:
-        """Steps in flight: non-terminal runs on the server plus requested-but-not-visible ones."""
+        """Query the server now and refresh the state admission reads; returns the steps in flight
+        (non-terminal runs on the server plus requested-but-not-visible ones). Network I/O: the
+        admission thread calls it; `dispatch` never does."""
         runs = self.rest.point_runs(self.run)
-        seen = {r.step for r in runs}
-        busy = {r.step for r in runs if not r.terminal}
-        now = time.monotonic()
-        spooled = {e.step for e in self.spool.pending() if e.kind != "skip_record"}
+        spooled = self._spooled()
         fallback: list[PointRequest] = []
         with self._lock:
-            self._known |= seen
-            for step, at in self._requested.items():
-                if step in seen:
-                    continue
-                if step in spooled or now - at < self.visible_timeout_s:
-                    busy.add(step)
-                elif step in self._sent and step not in self._fallen_back:
-                    # the event was accepted but no run appeared: create the run directly, once
-                    # (the idempotency key is the event id, so a late trigger run is not doubled)
-                    log.warning("pinned-eval: %s step %d: no flow run from its event; creating it", self.run, step)
-                    self._fallen_back.add(step)
-                    fallback.append(self._sent[step])
-                    busy.add(step)
-                else:
-                    log.warning("pinned-eval: %s step %d was sent but no flow run appeared", self.run, step)
+            self._known |= {r.step for r in runs}
+            self._server_busy = {r.step for r in runs if not r.terminal}
+            self._fresh = True
+            busy = self._busy_locked(spooled, fallback)
+            self._changed.notify_all()
         for request in fallback:
             self._enqueue(run_request_entry(request, self.blocks))
         return busy
 
-    def _local_in_flight(self) -> set[int]:
+    def _spooled(self) -> set[int]:
+        return {e.step for e in self.spool.pending() if e.kind != "skip_record"}
+
+    def _busy_locked(self, spooled: set[int], fallback: list[PointRequest] | None = None) -> set[int]:
+        """Steps in flight from the local state (caller holds `_lock`). With `fallback` (the
+        admission thread), a sent point whose run never appeared is queued there, once."""
+        busy = set(self._server_busy)
+        now = time.monotonic()
+        for step, at in self._requested.items():
+            if step in self._known:
+                continue
+            if step in spooled or now - at < self.visible_timeout_s:
+                busy.add(step)
+            elif fallback is None:
+                continue
+            elif step in self._sent and step not in self._fallen_back:
+                # the request was accepted but no run appeared: create the run directly, once
+                # (the idempotency key is the event id, so a late trigger run is not doubled)
+                log.warning("pinned-eval: %s step %d: no flow run from its event; creating it", self.run, step)
+                self._fallen_back.add(step)
+                fallback.append(self._sent[step])
+                busy.add(step)
+            elif step not in self._lost:
+                self._lost.add(step)
+                log.warning("pinned-eval: %s step %d was sent but no flow run appeared", self.run, step)
+        return busy
+
+    def _sync_loop(self) -> None:
+        """The admission thread: keeps the server's view fresh; all admission I/O happens here."""
+        failing_since: float | None = None
+        while not self._stop.is_set():
+            self._sync_wake.clear()
+            try:
+                self.in_flight()
+                failing_since = None
+            except (ApiUnavailableError, httpx.HTTPError, ValueError) as exc:  # ValueError: a garbled answer
+                with self._lock:
+                    self._fresh = False
+                    self._changed.notify_all()
+                now = time.monotonic()
+                failing_since = failing_since or now
+                level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
+                log.log(level, "pinned-eval: admission state of %s not refreshed (%s)", self.run, exc)
+            with self._lock:
+                active = bool(self._server_busy) or any(s not in self._known for s in self._requested)
+            self._sync_wake.wait(self.poll_s if active or failing_since else self.idle_sync_s)
+
+    @property
+    def synced(self) -> bool:
+        """Whether the admission thread's last query of the server answered."""
         with self._lock:
-            spooled = {e.step for e in self.spool.pending() if e.kind != "skip_record"}
-            return {s for s in self._requested if s not in self._known} | spooled
+            return self._fresh
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Block until the admission thread has a fresh answer from the server; False on timeout."""
+        self._sync_wake.set()
+        with self._lock:
+            return self._changed.wait_for(lambda: self._fresh, timeout)
 
     def _admit(self, step: int, final: bool) -> tuple[str, int, float, bool]:
-        """('ok'|'busy'|'exists', points in flight, seconds waited for a slot, admitted offline)."""
+        """('ok'|'busy'|'exists', points in flight, seconds waited for a slot, admitted offline),
+        from local state only; `backpressure` at the bound waits for the admission thread."""
         waited = 0.0
-        while True:
-            try:
-                busy = self.in_flight()
-            except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
-                local = self._local_in_flight() - {step}
-                with self._lock:
-                    if step in self._known or step in self._requested or step in self._recorded:
-                        return "exists", len(local), waited, True
-                log.warning("pinned-eval: admission of %s step %d without the API (%s)", self.run, step, exc)
-                return "ok", len(local), waited, True
-            with self._lock:
+        with self._lock:
+            while True:
+                offline = not self._fresh
+                others = self._busy_locked(self._spooled()) - {step}
                 if step in self._known or step in self._requested or step in self._recorded:
-                    return "exists", len(busy - {step}), waited, False
-            others = busy - {step}
-            if len(others) < self.max_in_flight:
-                return "ok", len(others), waited, False
-            if self.policy == "skip" and not final:
-                return "busy", len(others), waited, False
-            time.sleep(self.poll_s)
-            waited += self.poll_s
+                    return "exists", len(others), waited, offline
+                if offline:
+                    log.info("pinned-eval: %s step %d admitted without a fresh view of the API", self.run, step)
+                    return "ok", len(others), waited, True
+                if len(others) < self.max_in_flight:
+                    return "ok", len(others), waited, False
+                if self.policy == "skip" and not final:
+                    return "busy", len(others), waited, False
+                t0 = time.monotonic()
+                self._sync_wake.set()
+                self._changed.wait(self.poll_s)
+                waited += time.monotonic() - t0
 
     # ---- dispatch ------------------------------------------------------------------------------
 
@@ -417,8 +473,10 @@ class EvalClient:
     def close(self) -> None:
         self._stop.set()
         self._progress.set()
+        self._sync_wake.set()
         self.deliverer.stop()
         self._progress_thread.join(5)
+        self._sync_thread.join(5)
         self.rest.http.close()
 
     def __enter__(self) -> EvalClient:

@@ -9,8 +9,9 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,6 +24,7 @@ from pinned_eval.events import BlockNames
 from pinned_eval.points import EVENT_REQUESTED, PointRequest, SnapshotSource, point_event_id
 from pinned_eval.settings import PrefectApiSettings
 from tests.conftest import free_port
+from tests.reliability.netfaults import FaultyHTTPProxy, Rule, ScriptedServer
 from trainer_integration.client import EvalClient
 from trainer_integration.events import Delivery, event_entry, skip_record_entry
 from trainer_integration.rest import PrefectRest, api_client, auth_headers
@@ -209,3 +211,94 @@ def test_trainer_integration_imports_without_prefect():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- admission off the caller's thread ------------------------------------------------------
+
+
+class ThreadLog:
+    """httpx request hook: the thread every HTTP request of a client was made on."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> None:
+        self.threads.append(threading.current_thread().name)
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(timeout=5, event_hooks={"request": [self]})
+
+
+def _point_run(step: int, state: str) -> dict[str, Any]:
+    return {
+        "id": str(uuid.uuid4()), "name": f"exp42/step-{step}", "parameters": {"run": "exp42", "step": step},
+        "state": {"type": state, "name": state.title(), "message": None}, "created": f"2026-01-01T00:00:0{step}Z",
+    }  # fmt: skip
+
+
+@pytest.fixture
+def orchestrator() -> Iterator[tuple[ScriptedServer, list[dict[str, Any]]]]:
+    """A scripted API: `/flow_runs/filter` answers the runs in the list it yields; the rest 2xx."""
+    runs: list[dict[str, Any]] = []
+    ok: Callable[[bytes], tuple[int, dict[str, str], bytes]] = lambda body: (204, {}, b"")  # noqa: E731
+    server = ScriptedServer(
+        {
+            ("POST", "/api/flow_runs/filter"): lambda body: (200, {"Content-Type": "application/json"},
+                                                             json.dumps(runs).encode()),
+            ("POST", "/api/events"): ok,
+            ("PATCH", "/api/variables/name/pinned-eval-progress-exp42"): ok,
+        }
+    )  # fmt: skip
+    try:
+        yield server, runs
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("api", ["slow", "refusing", "unreachable"])
+def test_dispatch_makes_no_network_call_on_the_callers_thread(tmp_path: Path, orchestrator, api: str):
+    server, _ = orchestrator
+    proxy: FaultyHTTPProxy | None = None
+    if api == "unreachable":
+        url = f"http://127.0.0.1:{free_port()}/api"
+    else:
+        rule = Rule("delay", delay_s=0.5) if api == "slow" else Rule("error", status=503)
+        proxy = FaultyHTTPProxy(server.url, rules=[rule])
+        url = f"{proxy.url}/api"
+    hook = ThreadLog()
+    try:
+        with EvalClient("exp42", url, spool_dir=tmp_path / "spool", max_in_flight=1, policy="skip",
+                        http=hook.client(), direct_runs=False) as client:  # fmt: skip
+            results = [client.dispatch(step, source=SOURCE) for step in range(1, 6)]
+            client.report_progress(5)
+            if api == "slow":  # a slow API still answers: the thread delivers everything in the end
+                assert client.deliverer.flush(60), client.deliverer.last_error
+    finally:
+        if proxy is not None:
+            proxy.close()
+    assert all(r.action in ("requested", "skipped_busy") for r in results), results
+    assert hook.threads, "the background threads talked to the API"
+    assert threading.current_thread().name not in hook.threads, hook.threads
+    assert set(hook.threads) <= {"pinned-eval-admission", "pinned-eval-progress", "pinned-eval-spool-exp42"}
+    if api == "slow":
+        assert proxy is not None and proxy.seen("delay", "/api/events")
+
+
+def test_admission_follows_the_servers_view_after_it_changes(tmp_path: Path, orchestrator):
+    server, runs = orchestrator
+    runs += [_point_run(1, "RUNNING"), _point_run(2, "SCHEDULED")]  # e.g. a restarted trainer's points
+    hook = ThreadLog()
+    with EvalClient("exp42", f"{server.url}/api", spool_dir=tmp_path / "spool", max_in_flight=2, policy="skip",
+                    http=hook.client(), direct_runs=False, poll_s=0.05, idle_sync_s=0.05) as client:  # fmt: skip
+        assert client.wait_synced(30)
+        assert client.dispatch(2, source=SOURCE).action == "exists"
+        busy = client.dispatch(3, source=SOURCE)
+        assert (busy.action, busy.in_flight, busy.admitted_offline) == ("skipped_busy", 2, False)
+        runs[:] = [_point_run(1, "COMPLETED"), _point_run(2, "COMPLETED"), _point_run(3, "COMPLETED")]
+        seen_before = server.requests.count(("POST", "/api/flow_runs/filter"))
+        while server.requests.count(("POST", "/api/flow_runs/filter")) < seen_before + 2:
+            client.wait_synced(1)  # two fresh reads after the change: one began after it
+            time.sleep(0.02)
+        ok = client.dispatch(4, source=SOURCE)
+        assert (ok.action, ok.in_flight, ok.admitted_offline) == ("requested", 0, False)
+    assert threading.current_thread().name not in hook.threads
