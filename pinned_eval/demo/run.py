@@ -187,11 +187,14 @@ def _cell(v: object) -> str:
 
 
 def _wait_for_interrupt() -> None:
-    """Block until Ctrl-C (SIGINT) or SIGTERM; the caller's `finally` then stops everything."""
+    """Block until Ctrl-C (SIGINT) or SIGTERM; the caller's `finally` then stops everything.
+    SIGINT is reset to Python's default handler first: a demo started with SIGINT ignored (e.g.
+    from a background job of a non-interactive shell) would otherwise never stop on Ctrl-C."""
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, stop)
     with contextlib.suppress(KeyboardInterrupt):
         signal.pause()
