@@ -28,7 +28,7 @@ from tests.reliability.netfaults import FaultyHTTPProxy, Rule, ScriptedServer
 from trainer_integration.client import EvalClient
 from trainer_integration.events import Delivery, event_entry, skip_record_entry
 from trainer_integration.rest import PrefectRest, api_client, auth_headers
-from trainer_integration.spool import Deliverer, Spool, SpoolEntry
+from trainer_integration.spool import Deliverer, Spool, SpoolEntry, TransientDeliveryError
 
 SOURCE = SnapshotSource(kind="hf", path="/ckpt/step_7", require_marker=False)
 
@@ -302,3 +302,45 @@ def test_admission_follows_the_servers_view_after_it_changes(tmp_path: Path, orc
         ok = client.dispatch(4, source=SOURCE)
         assert (ok.action, ok.in_flight, ok.admitted_offline) == ("requested", 0, False)
     assert threading.current_thread().name not in hook.threads
+
+
+# ---- direct runs, the event as fallback ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("server_says", ["created", "no deployment", "busy"])
+def test_a_point_is_created_directly_and_the_event_is_sent_only_when_that_is_refused(server_says: str):
+    bodies: list[dict[str, Any]] = []
+
+    def create(body: bytes) -> tuple[int, dict[str, str], bytes]:
+        bodies.append(json.loads(body))
+        return (201, {"Content-Type": "application/json"}, b"{}") if server_says == "created" else (503, {}, b"")
+
+    dep = (200, {"Content-Type": "application/json"}, b'{"id": "dep1"}') if server_says != "no deployment" else (
+        404, {}, b'{"detail": "Deployment not found"}')  # fmt: skip
+    server = ScriptedServer({
+        ("GET", "/api/deployments/name/eval-point/eval-point"): lambda body: dep,
+        ("POST", "/api/deployments/dep1/create_flow_run"): create,
+        ("POST", "/api/events"): lambda body: (204, {}, b""),
+    })  # fmt: skip
+    entry = event_entry(request(7, final=True), BlockNames(sinks="k1"))
+    try:
+        delivery = Delivery(PrefectRest(f"{server.url}/api", httpx.Client(timeout=5)), direct_runs=True)
+        if server_says == "busy":  # transient: the same direct request is retried later, no event
+            with pytest.raises(TransientDeliveryError):
+                delivery(entry)
+        else:
+            delivery(entry)
+    finally:
+        server.close()
+    events = [r for r in server.requests if r == ("POST", "/api/events")]
+    if server_says == "no deployment":
+        assert len(events) == 1 and not bodies
+        return
+    assert not events
+    body = bodies[0]
+    assert body["idempotency_key"] == entry.key == str(point_event_id("exp42", 7))
+    assert (body["name"], body["tags"]) == ("exp42/step-7", ["run:exp42", "step:7"])
+    params = body["parameters"]
+    assert (params["run"], params["step"], params["final"], params["sinks"], params["suite"]) == (
+        "exp42", 7, True, "k1", "default")  # fmt: skip
+    assert "blocks" not in params and params["source"]["path"] == "/ckpt/step_7"
