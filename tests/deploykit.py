@@ -44,7 +44,7 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process"],
         cwd=REPO,
-        env=dict(env, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1"),
+        env=dict(env, PREFECT_WORKER_QUERY_SECONDS="0.5", PREFECT_WORKER_PREFETCH_SECONDS="0.5"),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

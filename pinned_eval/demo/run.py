@@ -88,7 +88,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
             started.add("the CPU fleet", launched.stop)
             say("deploying eval-point and starting a process worker ...")
             stack.deploy()
-            stack.worker_up(query_seconds=1)
+            stack.worker_up()
             table = _train_and_evaluate(opts, home, base, server.api_url, say)
         say(render_table(table))
         say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N)")
