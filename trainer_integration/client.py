@@ -41,6 +41,7 @@ import httpx
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, progress_variable_name
 from pinned_eval.settings import PrefectApiSettings, get_settings
+from trainer_integration.admission import AdmissionView
 from trainer_integration.events import (
     SINKS_BLOCK_SLUG,
     Delivery,
@@ -114,16 +115,7 @@ class EvalClient:
         self.rest = PrefectRest(url, http or api_client(settings))
         self._latest_step: int | None = None
         self._progress = threading.Event()
-        self._requested: dict[int, float] = {}  # step -> monotonic time a point was requested (this process)
-        self._recorded: set[int] = set()  # steps this client recorded as skipped (never in flight)
-        self._sent: dict[int, PointRequest] = {}  # step -> the point request sent as an event
-        self._fallen_back: set[int] = set()  # steps re-requested as a direct flow run
-        self._lost: set[int] = set()  # steps sent whose run never appeared (warned once)
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # admission state refreshed
-        self._server_busy: set[int] = set()  # non-terminal steps on the server at the last sync
-        self._fresh = False  # the last sync answered
-        self._known: set[int] = set()  # steps with a flow run seen on the server
+        self.admission = AdmissionView(run, visible_timeout_s)
         spool_root = Path(spool_dir) if spool_dir else get_settings().home / "spool"
         self.spool = Spool(spool_root / run)
         self.deliverer = Deliverer(
@@ -137,7 +129,7 @@ class EvalClient:
             ),
         )
         for entry in self.spool.pending():  # a previous process's undelivered requests
-            self._note(entry)
+            self.admission.note(entry)
         self._stop = threading.Event()
         self._sync_wake = threading.Event()
         self._progress_thread = threading.Thread(target=self._progress_loop, name="pinned-eval-progress", daemon=True)
@@ -154,18 +146,10 @@ class EvalClient:
         return final or self.eval_interval is None or (step + 1) % self.eval_interval == 0
 
     def in_flight(self) -> set[int]:
-        """Query the server now and refresh the state admission reads; returns the steps in flight
-        (non-terminal runs on the server plus requested-but-not-visible ones). Network I/O: the
-        admission thread calls it; `dispatch` never does."""
+        """Query the server now and refresh the view admission reads (`AdmissionView`); returns
+        the steps in flight. Network I/O: the admission thread calls it; `dispatch` never does."""
         runs = self.rest.point_runs(self.run)
-        spooled = self._spooled()
-        fallback: list[PointRequest] = []
-        with self._lock:
-            self._known |= {r.step for r in runs}
-            self._server_busy = {r.step for r in runs if not r.terminal}
-            self._fresh = True
-            busy = self._busy_locked(spooled, fallback)
-            self._changed.notify_all()
+        busy, fallback = self.admission.refresh(runs, self._spooled())
         for request in fallback:
             self._enqueue(run_request_entry(request, self.blocks))
         return busy
@@ -173,83 +157,37 @@ class EvalClient:
     def _spooled(self) -> set[int]:
         return {e.step for e in self.spool.pending() if e.kind != "skip_record"}
 
-    def _busy_locked(self, spooled: set[int], fallback: list[PointRequest] | None = None) -> set[int]:
-        """Steps in flight from the local state (caller holds `_lock`). With `fallback` (the
-        admission thread), a sent point whose run never appeared is queued there, once."""
-        busy = set(self._server_busy)
-        now = time.monotonic()
-        for step, at in self._requested.items():
-            if step in self._known:
-                continue
-            if step in spooled or now - at < self.visible_timeout_s:
-                busy.add(step)
-            elif fallback is None:
-                continue
-            elif step in self._sent and step not in self._fallen_back:
-                # the request was accepted but no run appeared: create the run directly, once
-                # (the idempotency key is the event id, so a late trigger run is not doubled)
-                log.warning("pinned-eval: %s step %d: no flow run from its event; creating it", self.run, step)
-                self._fallen_back.add(step)
-                fallback.append(self._sent[step])
-                busy.add(step)
-            elif step not in self._lost:
-                self._lost.add(step)
-                log.warning("pinned-eval: %s step %d was sent but no flow run appeared", self.run, step)
-        return busy
-
     def _sync_loop(self) -> None:
-        """The admission thread: keeps the server's view fresh; all admission I/O happens here."""
+        """The admission thread: keeps the server's view fresh; all admission I/O happens here.
+        When it ends (close, or an unexpected error) the view is marked stale, so admission
+        degrades to admitting offline rather than trusting a frozen view."""
         failing_since: float | None = None
-        while not self._stop.is_set():
-            self._sync_wake.clear()
-            try:
-                self.in_flight()
-                failing_since = None
-            except (ApiUnavailableError, httpx.HTTPError, ValueError) as exc:  # ValueError: a garbled answer
-                with self._lock:
-                    self._fresh = False
-                    self._changed.notify_all()
-                now = time.monotonic()
-                failing_since = failing_since or now
-                level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
-                log.log(level, "pinned-eval: admission state of %s not refreshed (%s)", self.run, exc)
-            with self._lock:
-                active = bool(self._server_busy) or any(s not in self._known for s in self._requested)
-            self._sync_wake.wait(self.poll_s if active or failing_since else self.idle_sync_s)
+        try:
+            while not self._stop.is_set():
+                self._sync_wake.clear()
+                try:
+                    self.in_flight()
+                    failing_since = None
+                except (ApiUnavailableError, httpx.HTTPError, ValueError) as exc:  # ValueError: a garbled answer
+                    self.admission.stale()
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
+                    log.log(level, "pinned-eval: admission state of %s not refreshed (%s)", self.run, exc)
+                busy = self.admission.active() or failing_since is not None
+                self._sync_wake.wait(self.poll_s if busy else self.idle_sync_s)
+        finally:
+            self.admission.stale()
 
     @property
     def synced(self) -> bool:
         """Whether the admission thread's last query of the server answered."""
-        with self._lock:
-            return self._fresh
+        return self.admission.fresh
 
     def wait_synced(self, timeout: float) -> bool:
         """Block until the admission thread has a fresh answer from the server; False on timeout."""
         self._sync_wake.set()
-        with self._lock:
-            return self._changed.wait_for(lambda: self._fresh, timeout)
-
-    def _admit(self, step: int, final: bool) -> tuple[str, int, float, bool]:
-        """('ok'|'busy'|'exists', points in flight, seconds waited for a slot, admitted offline),
-        from local state only; `backpressure` at the bound waits for the admission thread."""
-        waited = 0.0
-        with self._lock:
-            while True:
-                offline = not self._fresh
-                others = self._busy_locked(self._spooled()) - {step}
-                if step in self._known or step in self._requested or step in self._recorded:
-                    return "exists", len(others), waited, offline
-                if offline:
-                    log.info("pinned-eval: %s step %d admitted without a fresh view of the API", self.run, step)
-                    return "ok", len(others), waited, True
-                if len(others) < self.max_in_flight:
-                    return "ok", len(others), waited, False
-                if self.policy == "skip" and not final:
-                    return "busy", len(others), waited, False
-                t0 = time.monotonic()
-                self._sync_wake.set()
-                self._changed.wait(self.poll_s)
-                waited += time.monotonic() - t0
+        return self.admission.wait_fresh(timeout)
 
     # ---- dispatch ------------------------------------------------------------------------------
 
@@ -294,7 +232,10 @@ class EvalClient:
         posture: Posture,
         t0: float,
     ) -> DispatchResult:
-        verdict, n, waited, offline = self._admit(step, final)
+        verdict, n, waited, offline = self.admission.decide(
+            step, final=final, policy=self.policy, max_in_flight=self.max_in_flight, spooled=self._spooled,
+            poll_s=self.poll_s, wake=self._sync_wake.set,
+        )  # fmt: skip
         common: dict[str, Any] = {"step": step, "in_flight": n, "waited_seconds": waited, "admitted_offline": offline}
         if verdict == "exists":
             return DispatchResult(action="exists", stall_seconds=time.monotonic() - t0, **common)
@@ -317,8 +258,7 @@ class EvalClient:
             export_time = time.monotonic() - e0
             source = SnapshotSource(kind=SourceKind.STAGED, path=dest)
         request = self._request(step, source, final, posture, export_time)
-        with self._lock:
-            self._sent[step] = request
+        self.admission.sent(request)
         self._enqueue(event_entry(request, self.blocks))
         return DispatchResult(
             action="requested", export_time_seconds=export_time, stall_seconds=time.monotonic() - t0, **common
@@ -358,16 +298,8 @@ class EvalClient:
 
     def _enqueue(self, entry: SpoolEntry) -> None:
         self.spool.append(entry)
-        with self._lock:
-            self._note(entry)
+        self.admission.note(entry)
         self.deliverer.kick()
-
-    def _note(self, entry: SpoolEntry) -> None:
-        """Remember a request: a point request is in flight until its run is seen; a skip record never is."""
-        if entry.kind in ("event", "run_request"):
-            self._requested[entry.step] = time.monotonic()
-        else:
-            self._recorded.add(entry.step)
 
     # ---- progress ------------------------------------------------------------------------------
 
@@ -411,14 +343,12 @@ class EvalClient:
     # ---- outcomes ------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        with self._lock:
-            return sorted(set(self._requested) | self._recorded | self._known)
+        return sorted(self.admission.steps())
 
     def results(self) -> list[PointOutcome]:
         runs = self.rest.point_runs(self.run)
         rows = self._sink_rows()
-        with self._lock:
-            self._known |= {r.step for r in runs}
+        self.admission.seen({r.step for r in runs})
         by_step: dict[int, list[PointRun]] = {}
         for r in runs:
             by_step.setdefault(r.step, []).append(r)
