@@ -7,10 +7,12 @@ Contract:
   client requested that are not visible there yet (spooled, or sent and awaiting their run),
   deduplicated by step. The admission thread re-reads the server every `poll_s` while points are
   in flight (`idle_sync_s` otherwise), so the server stays the source of truth, also after a
-  restart of either side. At `max_in_flight`: `skip` (never for the final point) records `busy`
-  at the step without exporting; `backpressure` waits for the thread to see a slot free. While
-  that state is not fresh (no answer yet, or the last query failed) the point is admitted
-  (`admitted_offline`; the flow's own global concurrency limit still bounds it) and spooled.
+  restart of either side; the constructor waits up to `startup_sync_s` for its first answer (or
+  failure), so a restarted trainer's first dispatch already counts its points in flight.
+  At `max_in_flight`: `skip` (never for the final point) records `busy` at the step without
+  exporting; `backpressure` waits for the thread to see a slot free. While that view is not
+  fresh (no answer yet, or the last query failed) the point is admitted (`admitted_offline`;
+  the flow's own global concurrency limit still bounds it) and spooled.
 - an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
   is timed as `export_time_seconds`; its failure removes the partial output and records
   `export_failed` at the step.
@@ -83,6 +85,7 @@ class EvalClient:
         http: httpx.Client | None = None,
         poll_s: float = 0.5,
         idle_sync_s: float = 5.0,
+        startup_sync_s: float = 10.0,
         visible_timeout_s: float = 120.0,
         direct_runs: bool | None = None,
         backend: str | None = None,
@@ -132,12 +135,15 @@ class EvalClient:
             self.admission.note(entry)
         self._stop = threading.Event()
         self._sync_wake = threading.Event()
+        self._first_sync = threading.Event()  # the admission thread's first query answered or failed
         self._progress_thread = threading.Thread(target=self._progress_loop, name="pinned-eval-progress", daemon=True)
         self._sync_thread = threading.Thread(target=self._sync_loop, name="pinned-eval-admission", daemon=True)
         self.deliverer.start()
         self._progress_thread.start()
         self._sync_thread.start()
         self.deliverer.kick()
+        # the first dispatch should already see the server's view (a restarted trainer's points)
+        self._first_sync.wait(startup_sync_s)
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -174,10 +180,12 @@ class EvalClient:
                     failing_since = failing_since or now
                     level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
                     log.log(level, "pinned-eval: admission state of %s not refreshed (%s)", self.run, exc)
+                self._first_sync.set()
                 busy = self.admission.active() or failing_since is not None
                 self._sync_wake.wait(self.poll_s if busy else self.idle_sync_s)
         finally:
             self.admission.stale()
+            self._first_sync.set()
 
     @property
     def synced(self) -> bool:
