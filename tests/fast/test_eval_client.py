@@ -344,3 +344,25 @@ def test_a_point_is_created_directly_and_the_event_is_sent_only_when_that_is_ref
     assert (params["run"], params["step"], params["final"], params["sinks"], params["suite"]) == (
         "exp42", 7, True, "k1", "default")  # fmt: skip
     assert "blocks" not in params and params["source"]["path"] == "/ckpt/step_7"
+
+
+def test_backpressure_waits_for_the_admission_thread_to_see_a_slot_free(tmp_path: Path, orchestrator):
+    server, runs = orchestrator
+    runs += [_point_run(1, "RUNNING"), _point_run(2, "RUNNING")]
+    hook = ThreadLog()
+    out: list[Any] = []
+    with EvalClient("exp42", f"{server.url}/api", spool_dir=tmp_path / "spool", max_in_flight=2,
+                    policy="backpressure", http=hook.client(), direct_runs=False, poll_s=0.05) as client:  # fmt: skip
+        assert client.wait_synced(30)
+        trainer = threading.Thread(target=lambda: out.append(client.dispatch(3, source=SOURCE)), name="trainer")
+        trainer.start()
+        queried = server.requests.count(("POST", "/api/flow_runs/filter"))
+        while server.requests.count(("POST", "/api/flow_runs/filter")) < queried + 3:
+            time.sleep(0.02)  # the admission thread keeps re-reading while the trainer waits
+        assert not out, "dispatched although both slots were busy"
+        runs[1] = _point_run(2, "COMPLETED")
+        trainer.join(60)
+    [result] = out
+    assert (result.action, result.in_flight, result.admitted_offline) == ("requested", 1, False)
+    assert result.waited_seconds > 0
+    assert "trainer" not in hook.threads
