@@ -9,6 +9,7 @@
    - `direct, worker 0.5 s` (after, what `EvalClient` and `pinned_eval.stack` do now): `POST
      /deployments/{id}/create_flow_run` with the point's idempotency key (the event only as a
      fallback), run by a process worker polling every `WORKER_QUERY_SECONDS`, on its own pool.
+   Each request waits for the previous run to end, so it meets a quiet server.
    Latency is the server's Running timestamp minus the request's send time, broken down by the
    run's state timestamps: request → run created (trigger service) → Pending (worker poll) →
    Running (flow-run process start, imports, engine). Also `import prefect` and
@@ -146,8 +147,9 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
                     body = {"name": f"{run}/step-{i}", "parameters": {"run": run, "step": i},
                             "idempotency_key": str(uuid.uuid4())}  # fmt: skip
                     rest.create_flow_run(deployment_id, body).raise_for_status()
-                phases = _wait_running(http, api_url, deployment_id, run)
+                phases, flow_run_id = _wait_running(http, api_url, deployment_id, run)
                 out[label].append({k: (t - sent).total_seconds() for k, t in phases.items()})
+                _wait_terminal(http, api_url, flow_run_id)  # the next request meets a quiet server
     finally:
         http.close()
         for worker in workers:
@@ -157,7 +159,19 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
     return out
 
 
-def _wait_running(http, api_url: str, deployment_id: str, run: str, timeout_s: float = 120.0) -> dict[str, datetime]:  # type: ignore[no-untyped-def]
+def _wait_terminal(http, api_url: str, flow_run_id: str, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        resp = http.get(f"{api_url}/flow_runs/{flow_run_id}")
+        if resp.status_code == 200 and resp.json()["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"flow run {flow_run_id} not terminal within {timeout_s}s")
+
+
+def _wait_running(  # type: ignore[no-untyped-def]
+    http, api_url: str, deployment_id: str, run: str, timeout_s: float = 120.0
+) -> tuple[dict[str, datetime], str]:
     deadline = time.monotonic() + timeout_s
     flt = {"deployments": {"id": {"any_": [deployment_id]}}, "limit": 200}
     while time.monotonic() < deadline:
@@ -172,7 +186,8 @@ def _wait_running(http, api_url: str, deployment_id: str, run: str, timeout_s: f
             at = {s["type"]: datetime.fromisoformat(s["timestamp"]) for s in reversed(states)}
             if "RUNNING" in at:
                 created = datetime.fromisoformat(fr["created"])
-                return {"created": created, "pending": at.get("PENDING", at["RUNNING"]), "running": at["RUNNING"]}
+                phases = {"created": created, "pending": at.get("PENDING", at["RUNNING"]), "running": at["RUNNING"]}
+                return phases, str(fr["id"])
         time.sleep(0.1)
     raise TimeoutError(f"no Running state for {run} within {timeout_s}s")
 
