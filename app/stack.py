@@ -21,6 +21,9 @@ from app.prefect_server import ServerProcess, start_server, stop_server
 from pinned_eval.processes import ProcessSpec, free_port, pid_alive, start_process, stop_groups
 
 WORK_POOL = "pinned-eval"
+# how often a worker polls for runs (and how far ahead it prefetches): the poll is paid on every
+# point between its run's creation and Pending (`python -m bench orchestration`)
+WORKER_QUERY_SECONDS = 0.5
 
 
 def project_dir() -> Path:
@@ -96,7 +99,7 @@ class LocalStack:
             if out.returncode != 0:
                 raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
 
-    def worker_up(self, *, query_seconds: int = 2) -> int:
+    def worker_up(self, *, query_seconds: float = WORKER_QUERY_SECONDS) -> int:
         st = self.state()
         if st.worker_pid and pid_alive(st.worker_pid):
             return st.worker_pid

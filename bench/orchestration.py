@@ -3,9 +3,17 @@
 1. Per-point overhead: the eval-point shape (admission through a global concurrency limit, then
    export, check, pin, generate, score, log, retire as Prefect tasks) with no-op task bodies,
    against the same seven steps as a bare asyncio pipeline, same process, same run.
-2. Event → Running: `POST /api/events` with a `pinned-eval.point.requested`-shaped event to a
-   deployment with an event trigger, run by a process worker polling every second; latency is the
-   server's Running timestamp minus the event's `occurred` time.
+2. Request → Running, before/after side by side in one run (requests alternate between them):
+   - `event, worker 1 s` (before): `POST /api/events` with a `pinned-eval.point.requested`-shaped
+     event to a deployment with an event trigger, run by a process worker polling every 1 s;
+   - `direct, worker 0.5 s` (after, what `EvalClient` and `app.stack` do now): `POST
+     /deployments/{id}/create_flow_run` with the point's idempotency key (the event only as a
+     fallback), run by a process worker polling every `WORKER_QUERY_SECONDS`, on its own pool.
+   Each request waits for the previous run to end, so it meets a quiet server.
+   Latency is the server's Running timestamp minus the request's send time, broken down by the
+   run's state timestamps: request → run created (trigger service) → Pending (worker poll) →
+   Running (flow-run process start, imports, engine). Also `import prefect` and
+   `import flows.eval_point` in a fresh interpreter (part of the process start).
 
 `python -m bench orchestration [--points N] [--events N]`
 """
@@ -27,6 +35,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from app.stack import WORKER_QUERY_SECONDS
 from tasks.admission import admitted
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,72 +77,125 @@ def measure_overhead(points: int) -> tuple[float, float]:
     return flow_s, bare_s
 
 
-def measure_event_latency(api_url: str, events: int) -> list[float]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
+PATHS = {  # before: the trigger path with the worker polling every 1 s; after: what the product does now
+    "event, worker 1 s": ("bench-pool-event", 1.0),
+    f"direct, worker {WORKER_QUERY_SECONDS:g} s": ("bench-pool-direct", WORKER_QUERY_SECONDS),
+}
+PHASES = ("created", "pending", "running")
+
+
+def _deploy(pool: str, name: str, triggered: bool) -> str:
     from prefect.events import DeploymentEventTrigger
 
-    from pinned_eval.events import post_events
-
     subprocess.run(
-        [sys.executable, "-m", "prefect", "work-pool", "create", "bench-pool", "--type", "process", "--overwrite"],
+        [sys.executable, "-m", "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite"],
         check=True, capture_output=True,
     )  # fmt: skip
-    deployment_id = noop_point.from_source(source=str(REPO), entrypoint="bench/orchestration.py:noop_point").deploy(
-        name="bench-noop",
-        work_pool_name="bench-pool",
-        triggers=[
-            DeploymentEventTrigger(
-                name="bench-requested",
-                expect={"pinned-eval.point.requested"},
-                match={"prefect.resource.id": "pinned-eval.run.bench-*"},
-                parameters={"run": "{{ event.payload.run }}", "step": "{{ event.payload.step }}"},
-            )
-        ],
-        print_next_steps=False,
+    trigger = DeploymentEventTrigger(
+        name="bench-requested",
+        expect={"pinned-eval.point.requested"},
+        match={"prefect.resource.id": "pinned-eval.run.bench-*"},
+        parameters={"run": "{{ event.payload.run }}", "step": "{{ event.payload.step }}"},
     )
-    env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1")
-    with open(Path(tempfile.gettempdir()) / f"bench-worker-{os.getpid()}.log", "w") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "bench-pool", "--type", "process"],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    return str(
+        noop_point.from_source(source=str(REPO), entrypoint="bench/orchestration.py:noop_point").deploy(
+            name=name, work_pool_name=pool, triggers=[trigger] if triggered else [], print_next_steps=False
+        )
+    )
+
+
+def _worker(pool: str, query_s: float, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS=str(query_s), PREFECT_WORKER_PREFETCH_SECONDS=str(query_s))
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    latencies = []
+
+
+def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str, float]]]:
+    """Per path, per request: seconds from the request to each phase (`created`, `pending`, `running`)."""
+    import httpx
+
+    from trainer_integration.rest import PrefectRest
+
+    deployments = {
+        label: _deploy(pool, f"bench-noop-{i}", triggered=label.startswith("event"))
+        for i, (label, (pool, _)) in enumerate(PATHS.items())
+    }
+    tmp = Path(tempfile.gettempdir())
+    workers = [_worker(pool, q, tmp / f"bench-worker-{pool}-{os.getpid()}.log") for pool, q in PATHS.values()]
+    out: dict[str, list[dict[str, float]]] = {label: [] for label in PATHS}
+    http = httpx.Client(timeout=30)
+    rest = PrefectRest(api_url, http)  # retries a busy server's 503 on both paths
     try:
-        time.sleep(3)  # let the worker register before the first event
+        time.sleep(3)  # let the workers register before the first request
         for i in range(events):
-            run = f"bench-{uuid.uuid4().hex[:6]}"
-            occurred = datetime.now(UTC)
-            event = {
-                "id": str(uuid.uuid4()),
-                "occurred": occurred.isoformat().replace("+00:00", "Z"),
-                "event": "pinned-eval.point.requested",
-                "resource": {"prefect.resource.id": f"pinned-eval.run.{run}"},
-                "payload": {"run": run, "step": i},
-            }
-            post_events(api_url, [event])
-            running = _wait_running(get_client, FlowRunFilter, deployment_id, run)
-            latencies.append((running - occurred).total_seconds())
+            for label, deployment_id in deployments.items():
+                run = f"bench-{uuid.uuid4().hex[:6]}"
+                sent = datetime.now(UTC)
+                if label.startswith("event"):
+                    event = {
+                        "id": str(uuid.uuid4()),
+                        "occurred": sent.isoformat().replace("+00:00", "Z"),
+                        "event": "pinned-eval.point.requested",
+                        "resource": {"prefect.resource.id": f"pinned-eval.run.{run}"},
+                        "payload": {"run": run, "step": i},
+                    }
+                    rest.post_events([event]).raise_for_status()
+                else:
+                    body = {"name": f"{run}/step-{i}", "parameters": {"run": run, "step": i},
+                            "idempotency_key": str(uuid.uuid4())}  # fmt: skip
+                    rest.create_flow_run(deployment_id, body).raise_for_status()
+                phases, flow_run_id = _wait_running(http, api_url, deployment_id, run)
+                out[label].append({k: (t - sent).total_seconds() for k, t in phases.items()})
+                _wait_terminal(http, api_url, flow_run_id)  # the next request meets a quiet server
     finally:
-        os.killpg(worker.pid, 15)
-        worker.wait(timeout=30)
-    return latencies
+        http.close()
+        for worker in workers:
+            os.killpg(worker.pid, 15)
+        for worker in workers:
+            worker.wait(timeout=30)
+    return out
 
 
-def _wait_running(get_client, FlowRunFilter, deployment_id, run: str, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+def _wait_terminal(http, api_url: str, flow_run_id: str, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
-    with get_client(sync_client=True) as c:
-        while time.monotonic() < deadline:
-            runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id={"any_": [deployment_id]}))
-            for fr in runs:
-                if fr.parameters.get("run") != run:
-                    continue
-                states = c.read_flow_run_states(fr.id)
-                running = [s.timestamp for s in states if s.type.value == "RUNNING"]
-                if running:
-                    return running[0]
-            time.sleep(0.25)
+    while time.monotonic() < deadline:
+        resp = http.get(f"{api_url}/flow_runs/{flow_run_id}")
+        if resp.status_code == 200 and resp.json()["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"flow run {flow_run_id} not terminal within {timeout_s}s")
+
+
+def _wait_running(  # type: ignore[no-untyped-def]
+    http, api_url: str, deployment_id: str, run: str, timeout_s: float = 120.0
+) -> tuple[dict[str, datetime], str]:
+    deadline = time.monotonic() + timeout_s
+    flt = {"deployments": {"id": {"any_": [deployment_id]}}, "limit": 200}
+    while time.monotonic() < deadline:
+        resp = http.post(f"{api_url}/flow_runs/filter", json=flt)
+        for fr in resp.json() if resp.status_code == 200 else []:  # a busy server's 503: read again
+            if fr["parameters"].get("run") != run:
+                continue
+            states_resp = http.get(f"{api_url}/flow_run_states/", params={"flow_run_id": fr["id"]})
+            if states_resp.status_code != 200:
+                continue
+            states = states_resp.json()
+            at = {s["type"]: datetime.fromisoformat(s["timestamp"]) for s in reversed(states)}
+            if "RUNNING" in at:
+                created = datetime.fromisoformat(fr["created"])
+                phases = {"created": created, "pending": at.get("PENDING", at["RUNNING"]), "running": at["RUNNING"]}
+                return phases, str(fr["id"])
+        time.sleep(0.1)
     raise TimeoutError(f"no Running state for {run} within {timeout_s}s")
+
+
+def import_seconds(module: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, check=True)
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,13 +208,22 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as home, running_server(Path(home)) as server:
         flow_s, bare_s = measure_overhead(args.points)
         latencies = measure_event_latency(server.api_url, args.events)
+    imports = {m: import_seconds(m) for m in ("prefect", "flows.eval_point")}
     print(f"{'measure':44} {'value':>12}")
     print(f"{'eval-point shape, no-op tasks (s/point)':44} {flow_s:12.3f}")
     print(f"{'bare asyncio pipeline (s/point)':44} {bare_s:12.6f}")
     print(f"{'orchestration overhead (s/point)':44} {flow_s - bare_s:12.3f}")
     print(f"{'ratio flow / bare':44} {flow_s / bare_s:12.0f}")
-    print(f"{'event -> Running p50 (s)':44} {statistics.median(latencies):12.2f}")
-    print(f"{'event -> Running max (s)':44} {max(latencies):12.2f}")
+    for module, secs in imports.items():
+        print(f"{'python -c import ' + module + ' (s)':44} {secs:12.2f}")
+    labels = list(latencies)
+    print(f"\nrequest -> phase, seconds (n={args.events} each)   " + "".join(f"{label:>26}" for label in labels))
+    for phase in PHASES:
+        for stat, fn in (("p50", statistics.median), ("max", max)):
+            cells = "".join(f"{fn([r[phase] for r in latencies[label]]):26.2f}" for label in labels)
+            print(f"{'-> ' + phase + ' ' + stat:44}{cells}")
+    before, after = (statistics.median([r["running"] for r in latencies[label]]) for label in labels)
+    print(f"{'Running p50 ratio after / before':44}{after / before:26.2f}")
 
 
 if __name__ == "__main__":

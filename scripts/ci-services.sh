@@ -4,8 +4,11 @@
 # - PostgreSQL server binaries (Debian `postgresql`) for tests/reliability/test_scale_out.py,
 #   which starts its own throwaway cluster on 127.0.0.1 (initdb into a temp dir). Nothing is
 #   started here: Debian's default cluster is not created, so no server listens on 5432.
+# - Chromium (Debian `chromium`, /usr/bin/chromium) for the UI check of tests/e2e/test_demo.py,
+#   driven headless by playwright; that test fails when no browser is found.
 #
-# Without root (or apt-get) nothing is installed and the scale-out test skips with its reason.
+# Without root (or apt-get) nothing is installed: the scale-out test skips with its reason and
+# the UI test fails with the missing browser named.
 set -euo pipefail
 
 have_postgres() {
@@ -13,24 +16,48 @@ have_postgres() {
   compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null
 }
 
-if have_postgres; then
-  echo "ci-services: PostgreSQL server binaries present"
-  exit 0
-fi
-if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
-  echo "ci-services: PostgreSQL not installed and cannot apt-get here; the scale-out test will skip" >&2
-  exit 0
-fi
+have_chromium() {
+  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1
+}
+
+can_apt() {
+  [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1
+}
+
+updated=0
+apt_update() {
+  if [[ $updated -eq 0 ]]; then
+    apt-get update -qq
+    updated=1
+  fi
+}
 
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-# postgresql-common first, so the default cluster (a server on 5432) is never created
-apt-get install -y -qq --no-install-recommends postgresql-common >/dev/null
-conf=/etc/postgresql-common/createcluster.conf
-if grep -qE '^\s*#?\s*create_main_cluster' "$conf"; then
-  sed -i -E 's/^\s*#?\s*create_main_cluster.*/create_main_cluster = false/' "$conf"
+
+if have_postgres; then
+  echo "ci-services: PostgreSQL server binaries present"
+elif ! can_apt; then
+  echo "ci-services: PostgreSQL not installed and cannot apt-get here; the scale-out test will skip" >&2
 else
-  echo 'create_main_cluster = false' >>"$conf"
+  apt_update
+  # postgresql-common first, so the default cluster (a server on 5432) is never created
+  apt-get install -y -qq --no-install-recommends postgresql-common >/dev/null
+  conf=/etc/postgresql-common/createcluster.conf
+  if grep -qE '^\s*#?\s*create_main_cluster' "$conf"; then
+    sed -i -E 's/^\s*#?\s*create_main_cluster.*/create_main_cluster = false/' "$conf"
+  else
+    echo 'create_main_cluster = false' >>"$conf"
+  fi
+  apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+  have_postgres && echo "ci-services: PostgreSQL installed: $(ls -d /usr/lib/postgresql/*/bin | tail -1)"
 fi
-apt-get install -y -qq --no-install-recommends postgresql >/dev/null
-have_postgres && echo "ci-services: PostgreSQL installed: $(ls -d /usr/lib/postgresql/*/bin | tail -1)"
+
+if have_chromium; then
+  echo "ci-services: Chromium present: $(command -v chromium || command -v chromium-browser)"
+elif ! can_apt; then
+  echo "ci-services: Chromium not installed and cannot apt-get here; the demo's UI test will fail" >&2
+else
+  apt_update
+  apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  have_chromium && echo "ci-services: Chromium installed: $(command -v chromium)"
+fi

@@ -59,8 +59,8 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
         cwd=REPO,
         env=dict(
             without_aws_credentials(env, worker_dir),
-            PREFECT_WORKER_QUERY_SECONDS="1",
-            PREFECT_WORKER_PREFETCH_SECONDS="1",
+            PREFECT_WORKER_QUERY_SECONDS="0.5",
+            PREFECT_WORKER_PREFETCH_SECONDS="0.5",
         ),
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -2,22 +2,28 @@
 
 Contract:
 - `dispatch(step, source=None, final=False, export=None)` admits the point *before* any in-loop
-  export, from the orchestrator's truth: the run's non-terminal eval-point flow runs, plus the
-  points this client requested that are not visible there yet (spooled, or sent and awaiting the
-  trigger), deduplicated by step. So a restarted trainer resumes with its in-flight points.
+  export, from local state only (never a network call on the caller's thread): the run's
+  non-terminal eval-point flow runs as last read by the admission thread, plus the points this
+  client requested that are not visible there yet (spooled, or sent and awaiting their run),
+  deduplicated by step. The admission thread re-reads the server every `poll_s` while points are
+  in flight (`idle_sync_s` otherwise), so the server stays the source of truth, also after a
+  restart of either side; the constructor waits up to `startup_sync_s` for its first answer (or
+  failure), so a restarted trainer's first dispatch already counts its points in flight.
   At `max_in_flight`: `skip` (never for the final point) records `busy` at the step without
-  exporting; `backpressure` waits for the oldest point. When the API is unreachable the point is
-  admitted (the flow's own global concurrency limit still bounds it) and spooled.
+  exporting; `backpressure` waits for the thread to see a slot free. While that view is not
+  fresh (no answer yet, or the last query failed) the point is admitted (`admitted_offline`;
+  the flow's own global concurrency limit still bounds it) and spooled.
 - an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
   is timed as `export_time_seconds`; a storage or converter failure of it
   (`pinned_eval.snapshot.errors.EXPORT_ERRORS`) removes the partial output and records
   `export_failed` at the step. An `s3://` staging root uses `storage_options`, else the saved
   staging block's endpoint and credentials (fetched once, by name, over the API).
-- every request is written ahead to the durable spool and sent by a background thread, so the
-  non-waiting call costs the loop one admission query plus one fsync; `dispatch` never raises
-  into training for storage or API failures (logged, they become skip records); a programming
-  or configuration error (a bad argument, no `staging_root` for an in-loop export) raises.
-  A step already requested or recorded is not requested again.
+- every request is written ahead to the durable spool and sent by a background thread (the run
+  created directly on the deployment, the event as fallback: `trainer_integration.events`), so a
+  non-waiting call costs the loop one fsync; `dispatch` never raises into training for storage or
+  API failures (logged, they become skip records); a programming or configuration error (a bad
+  argument, no `staging_root` for an in-loop export) raises. A step already requested or
+  recorded is not requested again.
 - `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
   `eval/lag_steps` (latest value wins, sent in the background).
 - `drain(timeout)` delivers the spool and waits for every point to be terminal; `results()`
@@ -41,19 +47,21 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from pinned_eval.events import BlockNames
-from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, progress_variable_name
+from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind
 from pinned_eval.polling import PollTimeout, poll_until
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
+from trainer_integration.admission import AdmissionView
 from trainer_integration.events import (
     SINKS_BLOCK_SLUG,
-    STAGING_BLOCK_SLUG,
     Delivery,
     event_entry,
     run_request_entry,
     skip_record_entry,
 )
+from trainer_integration.export_target import ExportTarget
+from trainer_integration.progress import ProgressPublisher
 from trainer_integration.rest import ApiUnavailableError, PointRun, PrefectRest, api_client
 from trainer_integration.results import DispatchResult, PointOutcome, point_outcome
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry
@@ -89,7 +97,10 @@ class EvalClient:
         settings: PrefectApiSettings | None = None,
         http: httpx.Client | None = None,
         poll_s: float = 0.5,
+        idle_sync_s: float = 5.0,
+        startup_sync_s: float = 10.0,
         visible_timeout_s: float = 120.0,
+        direct_runs: bool | None = None,
         backend: str | None = None,
         backend_options: dict[str, Any] | None = None,
         lora_base: str | Path | None = None,
@@ -99,6 +110,7 @@ class EvalClient:
         dest)`) for this base HF dir, so they are dispatched as `lora` sources (the fleet block's
         `lora_mode` serves them as an adapter or merged)."""
         settings = settings or PrefectApiSettings()
+        webhook_url = webhook_url or settings.webhook_url
         url = api_url or settings.api_url
         if not url:
             raise ValueError("api_url: pass it or set PREFECT_API_URL")
@@ -115,71 +127,45 @@ class EvalClient:
         self.lora_base = str(lora_base) if lora_base is not None else None
         self.eval_interval = eval_interval
         self.poll_s = poll_s
+        self.idle_sync_s = idle_sync_s
         self.visible_timeout_s = visible_timeout_s
-        self._staging_root = str(staging_root) if staging_root is not None else None
-        self._storage_options = storage_options
-        self._store: Any = None
+        self._target = ExportTarget(staging_root, storage_options)
         self.rest = PrefectRest(url, http or api_client(settings))
-        self._latest_step: int | None = None
-        self._progress = threading.Event()
-        self._requested: dict[int, float] = {}  # step -> monotonic time a point was requested (this process)
-        self._recorded: set[int] = set()  # steps this client recorded as skipped (never in flight)
-        self._sent: dict[int, PointRequest] = {}  # step -> the point request sent as an event
-        self._fallen_back: set[int] = set()  # steps re-requested as a direct flow run
-        self._lock = threading.Lock()
+        self.progress = ProgressPublisher(self.rest, run)
+        self.admission = AdmissionView(run, visible_timeout_s)
         spool_root = Path(spool_dir) if spool_dir else get_settings().home / "spool"
         self.spool = Spool(spool_root / run)
         self.deliverer = Deliverer(
             self.spool,
             Delivery(
                 self.rest,
-                webhook_url=webhook_url or settings.webhook_url,
+                webhook_url=webhook_url,
                 deployment=deployment,
-                latest_step=lambda: self._latest_step,
+                direct_runs=not webhook_url if direct_runs is None else direct_runs,
+                latest_step=lambda: self.progress.latest,
             ),
         )
         for entry in self.spool.pending():  # a previous process's undelivered requests
-            self._note(entry)
-        self._known: set[int] = set()  # steps with a flow run seen on the server
+            self.admission.note(entry)
         self._stop = threading.Event()
-        self._progress_thread = threading.Thread(target=self._progress_loop, name="pinned-eval-progress", daemon=True)
+        self._sync_wake = threading.Event()
+        self._first_sync = threading.Event()  # the admission thread's first query answered or failed
+        self._sync_thread = threading.Thread(target=self._sync_loop, name="pinned-eval-admission", daemon=True)
         self.deliverer.start()
-        self._progress_thread.start()
+        self._sync_thread.start()
         self.deliverer.kick()
+        # the first dispatch should already see the server's view (a restarted trainer's points)
+        self._first_sync.wait(startup_sync_s)
 
     @property
     def _staging(self) -> Any:
-        """The in-loop export's `Staging`, built at the first export. An `s3://` root without
-        explicit `storage_options` is written with the staging block's endpoint and credentials
-        (read by name over the API, as the points read it); a failure here is that point's
-        `export_failed`, never an exception in the loop."""
-        if self._store is None and self._staging_root is not None:
-            from pinned_eval.snapshot.staging import Staging
-
-            options = self._storage_options
-            if options is None and self._staging_root.startswith(("s3://", "s3a://")):
-                options = self._block_s3_options()
-            self._store = Staging(self._staging_root, storage_options=options)
-        return self._store
+        return self._target.staging()
 
     @property
     def storage_options(self) -> dict[str, Any]:
         """The fsspec options an exporter writes `dest` with (`write_snapshot(..., storage_options=)`)."""
-        return dict(self._staging.storage_options) if self._staging is not None else {}
-
-    def _block_s3_options(self) -> dict[str, Any]:
-        from pinned_eval.snapshot.layout import s3_storage_options
-
-        data = self.rest.block_data(STAGING_BLOCK_SLUG, self.blocks.staging, include_secrets=True)
-        if data is None:
-            raise ValueError(
-                f"staging_root: {self._staging_root} is on S3 but the staging block {self.blocks.staging!r} "
-                "does not exist; save it or pass storage_options"
-            )
-        return s3_storage_options(
-            data.get("endpoint_url"), data.get("region_name"), data.get("aws_access_key_id"),
-            data.get("aws_secret_access_key"),
-        )
+        staging = self._staging
+        return dict(staging.storage_options) if staging is not None else {}
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -188,61 +174,59 @@ class EvalClient:
         return final or self.eval_interval is None or (step + 1) % self.eval_interval == 0
 
     def in_flight(self) -> set[int]:
-        """Steps in flight: non-terminal runs on the server plus requested-but-not-visible ones."""
+        """Query the server now and refresh the view admission reads (`AdmissionView`); returns
+        the steps in flight. Network I/O: the admission thread calls it; `dispatch` never does."""
         runs = self.rest.point_runs(self.run)
-        seen = {r.step for r in runs}
-        busy = {r.step for r in runs if not r.terminal}
-        now = time.monotonic()
-        spooled = {e.step for e in self.spool.pending() if e.kind != "skip_record"}
-        fallback: list[PointRequest] = []
-        with self._lock:
-            self._known |= seen
-            for step, at in self._requested.items():
-                if step in seen:
-                    continue
-                if step in spooled or now - at < self.visible_timeout_s:
-                    busy.add(step)
-                elif step in self._sent and step not in self._fallen_back:
-                    # the event was accepted but no run appeared: create the run directly, once
-                    # (the idempotency key is the event id, so a late trigger run is not doubled)
-                    log.warning("pinned-eval: %s step %d: no flow run from its event; creating it", self.run, step)
-                    self._fallen_back.add(step)
-                    fallback.append(self._sent[step])
-                    busy.add(step)
-                else:
-                    log.warning("pinned-eval: %s step %d was sent but no flow run appeared", self.run, step)
+        busy, fallback = self.admission.refresh(runs, self._spooled())
         for request in fallback:
             self._enqueue(run_request_entry(request, self.blocks))
         return busy
 
-    def _local_in_flight(self) -> set[int]:
-        with self._lock:
-            spooled = {e.step for e in self.spool.pending() if e.kind != "skip_record"}
-            return {s for s in self._requested if s not in self._known} | spooled
+    def _spooled(self) -> set[int]:
+        return {e.step for e in self.spool.pending() if e.kind != "skip_record"}
 
-    def _admit(self, step: int, final: bool) -> tuple[str, int, float, bool]:
-        """('ok'|'busy'|'exists', points in flight, seconds waited for a slot, admitted offline)."""
-        waited = 0.0
-        while True:
-            try:
-                busy = self.in_flight()
-            except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
-                local = self._local_in_flight() - {step}
-                with self._lock:
-                    if step in self._known or step in self._requested or step in self._recorded:
-                        return "exists", len(local), waited, True
-                log.warning("pinned-eval: admission of %s step %d without the API (%s)", self.run, step, exc)
-                return "ok", len(local), waited, True
-            with self._lock:
-                if step in self._known or step in self._requested or step in self._recorded:
-                    return "exists", len(busy - {step}), waited, False
-            others = busy - {step}
-            if len(others) < self.max_in_flight:
-                return "ok", len(others), waited, False
-            if self.policy == "skip" and not final:
-                return "busy", len(others), waited, False
-            time.sleep(self.poll_s)
-            waited += self.poll_s
+    def _sync_loop(self) -> None:
+        """The admission thread: keeps the server's view fresh; all admission I/O happens here.
+        When it ends (close, or an unexpected error) the view is marked stale, so admission
+        degrades to admitting offline rather than trusting a frozen view."""
+        failing_since: float | None = None
+        try:
+            while not self._stop.is_set():
+                self._sync_wake.clear()
+                try:
+                    self.in_flight()
+                    failing_since = None
+                except (ApiUnavailableError, httpx.HTTPError, ValueError) as exc:  # ValueError: a garbled answer
+                    self.admission.stale()
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
+                    log.log(level, "pinned-eval: admission state of %s not refreshed (%s)", self.run, exc)
+                self._fetch_staging_block()
+                self._first_sync.set()
+                busy = self.admission.active() or failing_since is not None
+                self._sync_wake.wait(self.poll_s if busy else self.idle_sync_s)
+        finally:
+            self.admission.stale()
+            self._first_sync.set()
+
+    def _fetch_staging_block(self) -> None:
+        if not self._target.wants_block:
+            return
+        try:
+            self._target.fetch(self.rest, self.blocks.staging)
+        except (ApiUnavailableError, httpx.HTTPError) as exc:
+            log.debug("pinned-eval: staging block %r not read yet (%s)", self.blocks.staging, exc)
+
+    @property
+    def synced(self) -> bool:
+        """Whether the admission thread's last query of the server answered."""
+        return self.admission.fresh
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Block until the admission thread has a fresh answer from the server; False on timeout."""
+        self._sync_wake.set()
+        return self.admission.wait_fresh(timeout)
 
     # ---- dispatch ------------------------------------------------------------------------------
 
@@ -287,7 +271,10 @@ class EvalClient:
         posture: Posture,
         t0: float,
     ) -> DispatchResult:
-        verdict, n, waited, offline = self._admit(step, final)
+        verdict, n, waited, offline = self.admission.decide(
+            step, final=final, policy=self.policy, max_in_flight=self.max_in_flight, spooled=self._spooled,
+            poll_s=self.poll_s, wake=self._sync_wake.set,
+        )  # fmt: skip
         common: dict[str, Any] = {"step": step, "in_flight": n, "waited_seconds": waited, "admitted_offline": offline}
         if verdict == "exists":
             return DispatchResult(action="exists", stall_seconds=time.monotonic() - t0, **common)
@@ -314,8 +301,7 @@ class EvalClient:
                 else SnapshotSource(kind=SourceKind.STAGED, path=dest)
             )
         request = self._request(step, source, final, posture, export_time)
-        with self._lock:
-            self._sent[step] = request
+        self.admission.sent(request)
         self._enqueue(event_entry(request, self.blocks))
         return DispatchResult(
             action="requested", export_time_seconds=export_time, stall_seconds=time.monotonic() - t0, **common
@@ -355,68 +341,28 @@ class EvalClient:
 
     def _enqueue(self, entry: SpoolEntry) -> None:
         self.spool.append(entry)
-        with self._lock:
-            self._note(entry)
+        self.admission.note(entry)
         self.deliverer.kick()
-
-    def _note(self, entry: SpoolEntry) -> None:
-        """Remember a request: a point request is in flight until its run is seen; a skip record never is."""
-        if entry.kind in ("event", "run_request"):
-            self._requested[entry.step] = time.monotonic()
-        else:
-            self._recorded.add(entry.step)
 
     # ---- progress ------------------------------------------------------------------------------
 
     def report_progress(self, step: int) -> None:
         """Publish the trainer's latest step (read by the flow for `eval/lag_steps`); non-blocking."""
-        self._latest_step = step
-        self._progress.set()
-
-    def _progress_loop(self) -> None:
-        sent: int | None = None
-        failing_since: float | None = None
-        name = progress_variable_name(self.run)
-        while not self._stop.is_set():
-            self._progress.wait(1.0)
-            self._progress.clear()
-            step = self._latest_step
-            if step is None or step == sent:
-                continue
-            try:
-                self.rest.set_variable(name, step)
-                sent, failing_since = step, None
-            except (ApiUnavailableError, httpx.HTTPStatusError) as exc:
-                # a busy server (SQLite locked → 503) is routine; the latest step is retried next second
-                now = time.monotonic()
-                failing_since = failing_since or now
-                level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
-                log.log(level, "pinned-eval: progress of %s not published (%s)", self.run, exc)
-                self._stop.wait(1.0)
+        self.progress.report(step)
 
     def flush_progress(self, timeout: float = 10.0) -> None:
         """Block until the latest reported step is published (tests, shutdown)."""
-        name = progress_variable_name(self.run)
-
-        def published() -> bool:
-            if self._latest_step is None or self.rest.get_variable(name) == self._latest_step:
-                return True
-            self._progress.set()
-            return False
-
-        poll_until(published, timeout_s=timeout, interval_s=0.1, what=f"progress of {self.run} published")
+        self.progress.flush(timeout)
 
     # ---- outcomes ------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        with self._lock:
-            return sorted(set(self._requested) | self._recorded | self._known)
+        return sorted(self.admission.steps())
 
     def results(self) -> list[PointOutcome]:
         runs = self.rest.point_runs(self.run)
         rows = self._sink_rows()
-        with self._lock:
-            self._known |= {r.step for r in runs}
+        self.admission.seen({r.step for r in runs})
         by_step: dict[int, list[PointRun]] = {}
         for r in runs:
             by_step.setdefault(r.step, []).append(r)
@@ -474,9 +420,10 @@ class EvalClient:
 
     def close(self) -> None:
         self._stop.set()
-        self._progress.set()
+        self._sync_wake.set()
         self.deliverer.stop()
-        self._progress_thread.join(5)
+        self.progress.stop()
+        self._sync_thread.join(5)
         self.rest.http.close()
 
     def __enter__(self) -> EvalClient:

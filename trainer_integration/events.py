@@ -1,10 +1,14 @@
 """What the trainer sends to the orchestrator, and how one spooled request is delivered.
 
-Two kinds of request, both idempotent on the receiver:
-- `event`: `pinned-eval.point.requested` on resource `pinned-eval.run.<run>` with id
-  uuid5(run, step) (`pinned_eval.events.point_event`), posted to OSS `POST /api/events` as a
-  one-element list, or to a Prefect Cloud webhook as the JSON body (the webhook's template in
-  `docs/cloud-webhook.md` renders the same event from it);
+Three kinds of request, all idempotent on the receiver:
+- `event`: a point request. With `direct_runs` (the default without a webhook) it is delivered as
+  the point's flow run created directly on the deployment (`POST /deployments/{id}/create_flow_run`,
+  idempotency key = the event id, named and tagged like a skip record), which skips the trigger
+  service; only when that is refused for good (no such deployment, a 4xx) is the event itself
+  sent, so one (run, step) never gets both. The event is `pinned-eval.point.requested` on
+  resource `pinned-eval.run.<run>` with id uuid5(run, step) (`pinned_eval.events.point_event`),
+  posted to OSS `POST /api/events` as a one-element list, or to a Prefect Cloud webhook as the
+  JSON body (the webhook's template in `docs/cloud-webhook.md` renders the same event from it);
 - `skip_record`: a point the trainer itself decided not to run (`busy` at the in-flight bound
   under `skip`, or `export_failed` of an in-loop export). It becomes a flow run of the eval-point
   deployment created directly in the final state Completed named "Skipped" with message
@@ -45,6 +49,21 @@ _TRANSIENT_4XX = {401, 403, 408, 429}
 def event_entry(request: PointRequest, blocks: BlockNames) -> SpoolEntry:
     event = point_event(request, blocks)
     return SpoolEntry(kind="event", run=request.run, step=request.step, key=event["id"], body=event)
+
+
+def direct_run_body(event: dict[str, Any]) -> dict[str, Any]:
+    """The flow-run body that creates the point of `event` on the deployment (the parameters the
+    trigger would render from it; idempotency key = the event id)."""
+    payload = dict(event["payload"])
+    blocks = payload.pop("blocks")
+    params = {**payload, **blocks}
+    run, step = payload["run"], payload["step"]
+    return {
+        "name": flow_run_name(run, step),
+        "parameters": params,
+        "tags": [f"run:{run}", f"step:{step}"],
+        "idempotency_key": event["id"],
+    }
 
 
 def run_request_entry(request: PointRequest, blocks: BlockNames) -> SpoolEntry:
@@ -97,8 +116,10 @@ class Delivery:
         webhook_url: str | None = None,
         deployment: str = "eval-point/eval-point",
         latest_step: Callable[[], int | None] = lambda: None,
+        direct_runs: bool = False,
     ) -> None:
         self.rest = rest
+        self.direct_runs = direct_runs
         self.webhook_url = webhook_url
         self.deployment = deployment
         self.latest_step = latest_step
@@ -106,7 +127,9 @@ class Delivery:
 
     def __call__(self, entry: SpoolEntry) -> None:
         try:
-            if entry.kind == "event":
+            if entry.kind == "event" and self.direct_runs:
+                self._direct_or_event(entry)
+            elif entry.kind == "event":
                 self._send_event(entry.body)
             elif entry.kind == "run_request":
                 self._create_run(entry)
@@ -115,6 +138,17 @@ class Delivery:
                 self._write_sink_row(entry)
         except (ApiUnavailableError, httpx.TransportError) as exc:
             raise TransientDeliveryError(str(exc)) from exc
+
+    def _direct_or_event(self, entry: SpoolEntry) -> None:
+        """Create the point's run directly; a transient failure is retried as is (the key makes a
+        lost 2xx harmless), a permanent refusal falls back to the event (no run was created)."""
+        try:
+            body = direct_run_body(entry.body)
+            self._create_run(entry.model_copy(update={"body": body}))
+        except RejectedDeliveryError as exc:
+            log.warning("pinned-eval: direct run for %s step %d refused (%s); sending the event", entry.run,
+                        entry.step, exc)  # fmt: skip
+            self._send_event(entry.body)
 
     def _send_event(self, event: dict[str, Any]) -> None:
         if self.webhook_url:

@@ -50,12 +50,13 @@ def deploy() -> None:
 
 
 def worker(
-    query_seconds: Annotated[int, typer.Option(help="How often the worker polls for runs.")] = 2,
+    query_seconds: Annotated[float, typer.Option(help="How often the worker polls for runs.")] = 0.5,
 ) -> None:
     """Run a process worker on the `pinned-eval` pool in the foreground (Ctrl-C stops it)."""
     from app.stack import WORK_POOL, project_dir  # prefect: slow import; `pinned-eval --help` stays fast
 
-    env = dict(_stack().env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds))
+    env = dict(_stack().env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
+               PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds))  # fmt: skip
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"]
     os.chdir(project_dir())
     raise typer.Exit(subprocess.call(cmd, env=env))

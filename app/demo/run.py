@@ -91,7 +91,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
             started.add("the CPU fleet", launched.stop)
             say("deploying eval-point and starting a process worker ...")
             stack.deploy()
-            stack.worker_up(query_seconds=1)
+            stack.worker_up()
             table = _train_and_evaluate(opts, home, base, server.api_url, say)
         say(render_table(table))
         say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N)")
@@ -185,11 +185,14 @@ def _cell(v: object) -> str:
 
 
 def _wait_for_interrupt() -> None:
-    """Block until Ctrl-C (SIGINT) or SIGTERM; the caller's `finally` then stops everything."""
+    """Block until Ctrl-C (SIGINT) or SIGTERM; the caller's `finally` then stops everything.
+    SIGINT is reset to Python's default handler first: a demo started with SIGINT ignored (e.g.
+    from a background job of a non-interactive shell) would otherwise never stop on Ctrl-C."""
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, stop)
     with contextlib.suppress(KeyboardInterrupt):
         signal.pause()

@@ -1,7 +1,10 @@
 """`make demo` end to end, exactly as the README runs it, plus the UI check on its Prefect server.
 
-The demo is held open (PINNED_EVAL_DEMO_HOLD=1) after its table so headless Chromium can look at
-the UI; then it gets Ctrl-C (SIGINT), and nothing it started may be left running.
+The demo is held open (PINNED_EVAL_DEMO_HOLD=1) after its table so headless Chromium (Debian's
+`chromium`, installed by scripts/ci-services.sh) can look at the UI: every point's run is listed,
+and the state badges of a Completed, a Skipped and a Failed run read so. Then it gets Ctrl-C
+(SIGINT; the child starts with SIGINT at its default whatever this process inherited), and
+nothing it started may be left running. No browser is a failure, not a skip.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+UI_RUN = "uicheck"  # the Skipped and Failed runs the UI check adds next to the demo's Completed ones
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -53,10 +59,13 @@ def _descendants_mentioning(marker: str) -> list[psutil.Process]:
 @pytest.mark.ui
 @pytest.mark.timeout(2400)
 def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_running(tmp_path: Path) -> None:
+    if not CHROMIUM:
+        pytest.fail("no browser: the UI check needs Debian's chromium (scripts/ci-services.sh installs it)")
     env = dict(os.environ, PINNED_EVAL_HOME=str(tmp_path), PINNED_EVAL_DEMO_HOLD="1")
     proc = subprocess.Popen(
         ["make", "demo"], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not what a nohup'd pytest inherited
     )  # fmt: skip
     out: list[str] = []
     ready = threading.Event()
@@ -81,8 +90,8 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
             assert float(r["weight_version"]) == int(r["step"]), r
         first, last = measured[0], measured[-1]
         assert float(last["arith_add"]) >= float(first["arith_add"]) + 0.2, f"no visible climb:\n{text}"
-        if CHROMIUM:
-            _check_ui(ui, [int(r["step"]) for r in rows], tmp_path / "ui-flow-runs.png")
+        _add_skipped_and_failed_runs(ui.removesuffix("/runs") + "/api", tmp_path)
+        _check_ui(ui, [int(r["step"]) for r in rows], tmp_path / "ui-flow-runs.png")
     finally:
         demo_procs = psutil.Process(proc.pid).children(recursive=True)  # make's `pinned-eval demo`
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches make and the demo alike
@@ -102,21 +111,53 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
     assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
 
 
-def _check_ui(ui: str, steps: list[int], screenshot: Path) -> None:
-    from playwright.sync_api import sync_playwright
+def _add_skipped_and_failed_runs(api: str, tmp_path: Path) -> None:
+    """Through the product on the demo's server: step 1 is a trainer-side skip (its in-loop export
+    fails), step 2 a point the flow rejects (external posture without a backend) → Failed."""
+    from pinned_eval.points import SnapshotSource
+    from trainer_integration.client import EvalClient
 
-    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+    def broken_export(step: int, dest: str) -> None:
+        raise OSError("disk full (UI check)")
+
+    with EvalClient(UI_RUN, api, staging_root=tmp_path / "ui-staging", spool_dir=tmp_path / "ui-spool") as client:
+        assert client.dispatch(1, export=broken_export).action == "skipped_export_failed"
+        deployment = client.rest.deployment_id("eval-point", "eval-point")
+        params = {"run": UI_RUN, "step": 2, "posture": "external",
+                  "source": SnapshotSource(kind="hf", path=str(tmp_path), require_marker=False).model_dump(mode="json")}
+        resp = client.rest.create_flow_run(deployment, {"name": f"{UI_RUN}/step-2", "parameters": params,
+                                                        "tags": [f"run:{UI_RUN}", "step:2"]})  # fmt: skip
+        resp.raise_for_status()
+        assert client.deliverer.flush(60), client.deliverer.last_error
+        assert client.wait_for(1, 60).state == "skipped"
+        assert client.wait_for(2, 180).state in ("failed", "crashed")
+
+
+def _check_ui(ui: str, steps: list[int], screenshot: Path) -> None:
+    from playwright.sync_api import Page, sync_playwright
+
+    def badge(page: Page, name: str) -> str:
+        item = page.locator(".state-list-item__content").filter(has=page.get_by_text(name, exact=True))
+        return item.locator(".state-badge").first.inner_text().strip()
+
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=flags)
+        browser = pw.chromium.launch_persistent_context(
+            str(screenshot.parent / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=FLAGS,
+            viewport={"width": 1400, "height": 900},
+        )  # fmt: skip
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page = browser.new_page()
             page.goto(ui)
             page.get_by_text(f"demo/step-{max(steps)}").first.wait_for(timeout=90_000)
+            page.get_by_text(f"{UI_RUN}/step-2").first.wait_for(timeout=90_000)
             names = set(page.get_by_text("demo/step-").all_inner_texts())
             page.wait_for_load_state("networkidle")  # task-run counts and pool names load after the list
+            badges = {name: badge(page, name) for name in (f"demo/step-{max(steps)}", f"{UI_RUN}/step-1",
+                                                           f"{UI_RUN}/step-2")}  # fmt: skip
             page.screenshot(path=str(screenshot))
         finally:
             browser.close()
     assert {f"demo/step-{s}" for s in steps} <= names, names
+    assert badges == {f"demo/step-{max(steps)}": "Completed", f"{UI_RUN}/step-1": "Skipped",
+                      f"{UI_RUN}/step-2": "Failed"}, badges  # fmt: skip
     assert screenshot.stat().st_size > 10_000

@@ -52,7 +52,7 @@ class DroppingWebhook:
 def test_event_without_a_run_falls_back_to_a_direct_run_once(
     point_env: PointEnv, deployed: Deployed, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="trainer_integration.client")
+    caplog.set_level(logging.WARNING, logger="trainer_integration")
     dest = str(point_env.staging_root / point_env.run / "step_00000004")
     write_step_snapshot(tiny_model, dest)
     hook = DroppingWebhook()

@@ -93,6 +93,7 @@ def test_outage_spools_and_delivers_each_point_once(tmp_path: Path, tiny_model: 
             assert client.dispatch(step, source=source).action == "requested"
         wait_for(lambda: len(runs_by_step(client.rest, run)) == 3, 60, "the first three runs")
     # the orchestrator is down: the loop goes on, requests go to the spool
+    wait_for(lambda: not client.synced, 60, "the admission thread noticing the outage")
     offline = [client.dispatch(step, source=source) for step in (3, 4, 5)]
     assert all(r.action == "requested" and r.admitted_offline for r in offline)
     assert [e.step for e in client.spool.pending()] == [3, 4, 5]

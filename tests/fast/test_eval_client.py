@@ -9,8 +9,9 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,10 +24,11 @@ from pinned_eval.events import BlockNames
 from pinned_eval.points import EVENT_REQUESTED, PointRequest, SnapshotSource, point_event_id
 from pinned_eval.settings import PrefectApiSettings
 from tests.conftest import free_port
+from tests.reliability.netfaults import FaultyHTTPProxy, Rule, ScriptedServer
 from trainer_integration.client import EvalClient
 from trainer_integration.events import Delivery, event_entry, skip_record_entry
 from trainer_integration.rest import PrefectRest, api_client, auth_headers
-from trainer_integration.spool import Deliverer, Spool, SpoolEntry
+from trainer_integration.spool import Deliverer, Spool, SpoolEntry, TransientDeliveryError
 
 SOURCE = SnapshotSource(kind="hf", path="/ckpt/step_7", require_marker=False)
 
@@ -240,3 +242,158 @@ def test_s3_staging_credentials_come_from_options_or_the_block_never_raising(tmp
         # the block cannot be read (API down): that point is export_failed, the loop goes on
         result = client.dispatch(3, export=lambda step, dest: exported.append(step))
     assert result.action == "skipped_export_failed" and exported == []
+
+
+# ---- admission off the caller's thread ------------------------------------------------------
+
+
+class ThreadLog:
+    """httpx request hook: the thread every HTTP request of a client was made on."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> None:
+        self.threads.append(threading.current_thread().name)
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(timeout=5, event_hooks={"request": [self]})
+
+
+def _point_run(step: int, state: str) -> dict[str, Any]:
+    return {
+        "id": str(uuid.uuid4()), "name": f"exp42/step-{step}", "parameters": {"run": "exp42", "step": step},
+        "state": {"type": state, "name": state.title(), "message": None}, "created": f"2026-01-01T00:00:0{step}Z",
+    }  # fmt: skip
+
+
+@pytest.fixture
+def orchestrator() -> Iterator[tuple[ScriptedServer, list[dict[str, Any]]]]:
+    """A scripted API: `/flow_runs/filter` answers the runs in the list it yields; the rest 2xx."""
+    runs: list[dict[str, Any]] = []
+    ok: Callable[[bytes], tuple[int, dict[str, str], bytes]] = lambda body: (204, {}, b"")  # noqa: E731
+    server = ScriptedServer(
+        {
+            ("POST", "/api/flow_runs/filter"): lambda body: (200, {"Content-Type": "application/json"},
+                                                             json.dumps(runs).encode()),
+            ("POST", "/api/events"): ok,
+            ("PATCH", "/api/variables/name/pinned-eval-progress-exp42"): ok,
+        }
+    )  # fmt: skip
+    try:
+        yield server, runs
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("api", ["slow", "refusing", "unreachable"])
+def test_dispatch_makes_no_network_call_on_the_callers_thread(tmp_path: Path, orchestrator, api: str):
+    server, _ = orchestrator
+    proxy: FaultyHTTPProxy | None = None
+    if api == "unreachable":
+        url = f"http://127.0.0.1:{free_port()}/api"
+    else:
+        rule = Rule("delay", delay_s=0.5) if api == "slow" else Rule("error", status=503)
+        proxy = FaultyHTTPProxy(server.url, rules=[rule])
+        url = f"{proxy.url}/api"
+    hook = ThreadLog()
+    try:
+        with EvalClient("exp42", url, spool_dir=tmp_path / "spool", max_in_flight=1, policy="skip",
+                        http=hook.client(), direct_runs=False) as client:  # fmt: skip
+            results = [client.dispatch(step, source=SOURCE) for step in range(1, 6)]
+            client.report_progress(5)
+            if api == "slow":  # a slow API still answers: the thread delivers everything in the end
+                assert client.deliverer.flush(60), client.deliverer.last_error
+    finally:
+        if proxy is not None:
+            proxy.close()
+    assert all(r.action in ("requested", "skipped_busy") for r in results), results
+    assert hook.threads, "the background threads talked to the API"
+    assert threading.current_thread().name not in hook.threads, hook.threads
+    assert set(hook.threads) <= {"pinned-eval-admission", "pinned-eval-progress", "pinned-eval-spool-exp42"}
+    if api == "slow":
+        assert proxy is not None and proxy.seen("delay", "/api/events")
+
+
+def test_admission_follows_the_servers_view_after_it_changes(tmp_path: Path, orchestrator):
+    server, runs = orchestrator
+    runs += [_point_run(1, "RUNNING"), _point_run(2, "SCHEDULED")]  # e.g. a restarted trainer's points
+    hook = ThreadLog()
+    with EvalClient("exp42", f"{server.url}/api", spool_dir=tmp_path / "spool", max_in_flight=2, policy="skip",
+                    http=hook.client(), direct_runs=False, poll_s=0.05, idle_sync_s=0.05) as client:  # fmt: skip
+        assert client.wait_synced(30)
+        assert client.dispatch(2, source=SOURCE).action == "exists"
+        busy = client.dispatch(3, source=SOURCE)
+        assert (busy.action, busy.in_flight, busy.admitted_offline) == ("skipped_busy", 2, False)
+        runs[:] = [_point_run(1, "COMPLETED"), _point_run(2, "COMPLETED"), _point_run(3, "COMPLETED")]
+        seen_before = server.requests.count(("POST", "/api/flow_runs/filter"))
+        while server.requests.count(("POST", "/api/flow_runs/filter")) < seen_before + 2:
+            client.wait_synced(1)  # two fresh reads after the change: one began after it
+            time.sleep(0.02)
+        ok = client.dispatch(4, source=SOURCE)
+        assert (ok.action, ok.in_flight, ok.admitted_offline) == ("requested", 0, False)
+    assert threading.current_thread().name not in hook.threads
+
+
+# ---- direct runs, the event as fallback ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("server_says", ["created", "no deployment", "busy"])
+def test_a_point_is_created_directly_and_the_event_is_sent_only_when_that_is_refused(server_says: str):
+    bodies: list[dict[str, Any]] = []
+
+    def create(body: bytes) -> tuple[int, dict[str, str], bytes]:
+        bodies.append(json.loads(body))
+        return (201, {"Content-Type": "application/json"}, b"{}") if server_says == "created" else (503, {}, b"")
+
+    dep = (200, {"Content-Type": "application/json"}, b'{"id": "dep1"}') if server_says != "no deployment" else (
+        404, {}, b'{"detail": "Deployment not found"}')  # fmt: skip
+    server = ScriptedServer({
+        ("GET", "/api/deployments/name/eval-point/eval-point"): lambda body: dep,
+        ("POST", "/api/deployments/dep1/create_flow_run"): create,
+        ("POST", "/api/events"): lambda body: (204, {}, b""),
+    })  # fmt: skip
+    entry = event_entry(request(7, final=True), BlockNames(sinks="k1"))
+    try:
+        delivery = Delivery(PrefectRest(f"{server.url}/api", httpx.Client(timeout=5)), direct_runs=True)
+        if server_says == "busy":  # transient: the same direct request is retried later, no event
+            with pytest.raises(TransientDeliveryError):
+                delivery(entry)
+        else:
+            delivery(entry)
+    finally:
+        server.close()
+    events = [r for r in server.requests if r == ("POST", "/api/events")]
+    if server_says == "no deployment":
+        assert len(events) == 1 and not bodies
+        return
+    assert not events
+    body = bodies[0]
+    assert body["idempotency_key"] == entry.key == str(point_event_id("exp42", 7))
+    assert (body["name"], body["tags"]) == ("exp42/step-7", ["run:exp42", "step:7"])
+    params = body["parameters"]
+    assert (params["run"], params["step"], params["final"], params["sinks"], params["suite"]) == (
+        "exp42", 7, True, "k1", "default")  # fmt: skip
+    assert "blocks" not in params and params["source"]["path"] == "/ckpt/step_7"
+
+
+def test_backpressure_waits_for_the_admission_thread_to_see_a_slot_free(tmp_path: Path, orchestrator):
+    server, runs = orchestrator
+    runs += [_point_run(1, "RUNNING"), _point_run(2, "RUNNING")]
+    hook = ThreadLog()
+    out: list[Any] = []
+    with EvalClient("exp42", f"{server.url}/api", spool_dir=tmp_path / "spool", max_in_flight=2,
+                    policy="backpressure", http=hook.client(), direct_runs=False, poll_s=0.05) as client:  # fmt: skip
+        assert client.wait_synced(30)
+        trainer = threading.Thread(target=lambda: out.append(client.dispatch(3, source=SOURCE)), name="trainer")
+        trainer.start()
+        queried = server.requests.count(("POST", "/api/flow_runs/filter"))
+        while server.requests.count(("POST", "/api/flow_runs/filter")) < queried + 3:
+            time.sleep(0.02)  # the admission thread keeps re-reading while the trainer waits
+        assert not out, "dispatched although both slots were busy"
+        runs[1] = _point_run(2, "COMPLETED")
+        trainer.join(60)
+    [result] = out
+    assert (result.action, result.in_flight, result.admitted_offline) == ("requested", 1, False)
+    assert result.waited_seconds > 0
+    assert "trainer" not in hook.threads

@@ -3,8 +3,9 @@
 - `FaultyHTTPProxy`: a pass-through HTTP/1.1 proxy to one upstream (moto's S3, an engine, the
   router). Rules pick requests by method and path and make them fail: `error` answers an S3-style
   5xx, `drop` closes the connection without an answer, `stall` holds the request until
-  `release()`, then drops it (it is never forwarded). Every request is recorded (method, path,
-  what was done, the request body), so a test can count retries or read what was sent.
+  `release()`, then drops it (it is never forwarded); `delay` forwards it after `delay_s` (a slow
+  upstream). Every request is recorded (method, path, what was done, the request body), so a test
+  can count retries or read what was sent.
   An optional `rewrite` hook changes upstream answers (an engine that misreports).
 - `ScriptedServer`: a misbehaving HTTP server answering canned responses per (method, path);
   it records what it was asked.
@@ -14,6 +15,7 @@ Threads are daemons; `close()` stops the listener.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +23,7 @@ from typing import Literal
 
 import httpx
 
-Action = Literal["error", "drop", "stall"]
+Action = Literal["error", "drop", "stall", "delay"]
 
 S3_ERROR = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
@@ -39,6 +41,7 @@ class Rule:
     body_contains: bytes = b""
     times: int | None = None  # None: every matching request; else the first `times` ones
     status: int = 500
+    delay_s: float = 0.5  # for `delay`
     hits: int = 0
 
     def matches(self, method: str, path: str, body: bytes = b"") -> bool:
@@ -84,6 +87,8 @@ class FaultyHTTPProxy:
                 action = proxy._decide(self.command, self.path, body)
                 if action == "stall":  # held until release(), then dropped: a stalled request never passes
                     proxy._released.wait(120)
+                if action == "delay":
+                    time.sleep(next(r.delay_s for r in proxy.rules if r.action == "delay"))
                 if action in ("drop", "stall"):
                     self.close_connection = True
                     return
@@ -174,7 +179,7 @@ class ScriptedServer:
                 self.end_headers()
                 self.wfile.write(content)
 
-            do_GET = do_POST = do_DELETE = _handle
+            do_GET = do_POST = do_PATCH = do_DELETE = _handle
 
         self.server = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
