@@ -183,6 +183,7 @@ async def test_run_backend_accepts_async_and_sync() -> None:
 
 @pytest.fixture
 def backends() -> Iterator[BackendCache]:
+    BACKENDS.dispose_all()  # the cache is per process: earlier tests' backends are not this test's
     RecordingBackend.calls = []
     yield BACKENDS
     BACKENDS.dispose_all()
