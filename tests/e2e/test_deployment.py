@@ -43,6 +43,8 @@ def test_event_triggers_exactly_one_run_per_event_id(point_env: PointEnv, deploy
     assert done.parameters["step"] == 21 and done.parameters["source"]["path"] == dest
     assert len(runs_of_deployment(deployed.deployment_id, point_env.run)) == 1
     assert {r.state for r in JsonlSink(point_env.jsonl).read(point_env.run)} == {"measured"}
+    # the flow-run process (a fork of the warm-start server) ships its logs to the server
+    assert any("Finished in state Completed" in m for m in _log_messages(fr.id)), _log_messages(fr.id)
 
 
 def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(
@@ -73,6 +75,14 @@ def _task_started(flow_run_id, prefix: str) -> bool:  # type: ignore[no-untyped-
     with get_client(sync_client=True) as c:
         tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
     return any(t.name.startswith(prefix) for t in tasks)
+
+
+def _log_messages(flow_run_id) -> list[str]:  # type: ignore[no-untyped-def]
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
 
 
 def _read(flow_run_id):  # type: ignore[no-untyped-def]
