@@ -117,7 +117,9 @@ def _supervise(conn: socket.socket, pid: int) -> None:
 def _become_flow_run(request: Request, fds: list[int]) -> None:
     """Turn this forked process into the client's flow-run process (stdio, cwd, env, argv, settings)."""
     for target, fd in enumerate(fds):
-        os.dup2(fd, target)
+        if fd != target:
+            os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
