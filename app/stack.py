@@ -1,4 +1,6 @@
-"""The local orchestration stack: a Prefect server, the deployments, a process worker.
+"""The local orchestration stack: a Prefect server, the deployments, a process worker and its
+warm-start fork server (`app.warm_start`: the pool's flow runs fork from a process that imported
+Prefect and the eval-point flow once, instead of starting a fresh interpreter each).
 
 Whoever starts a process stops it by PID: `LocalStack` records every process it starts in a
 state file under its home, so `pinned-eval server down` (or the demo's exit) can stop them from
@@ -18,6 +20,7 @@ import httpx
 from pydantic import BaseModel
 
 from app.prefect_server import ServerProcess, start_server, stop_server
+from app.warm_start import SOCKET_ENV, server_command, wait_listening, write_job_template
 from pinned_eval.processes import ProcessSpec, free_port, pid_alive, start_process, stop_groups
 
 WORK_POOL = "pinned-eval"
@@ -42,6 +45,7 @@ class StackState(BaseModel):
     api_url: str | None = None
     prefect_home: str | None = None
     worker_pid: int | None = None
+    warm_pid: int | None = None
 
 
 class LocalStack:
@@ -85,11 +89,14 @@ class LocalStack:
         return server
 
     def deploy(self) -> None:
-        """Register the block types, create the work pool, deploy `prefect.yaml`."""
+        """Register the block types, create the work pool (warm-start command), deploy `prefect.yaml`."""
         env = self.env()
+        self.home.mkdir(parents=True, exist_ok=True)
+        template = str(write_job_template(self.home.resolve() / "warm-job-template.json"))
+        pool = ["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite", "--base-job-template", template]
         for args in (
             ["block", "register", "-m", "blocks"],
-            ["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"],
+            pool,
             ["--no-prompt", "deploy", "--all"],
         ):
             out = subprocess.run(
@@ -99,12 +106,34 @@ class LocalStack:
             if out.returncode != 0:
                 raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
 
+    def warm_socket(self) -> Path:
+        return self.home.resolve() / "warm.sock"
+
+    def worker_env(self, query_seconds: float = WORKER_QUERY_SECONDS) -> dict[str, str]:
+        """The worker's environment: poll/prefetch interval and the warm-start socket (passed on to flow runs)."""
+        return dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
+                    PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds),
+                    **{SOCKET_ENV: str(self.warm_socket())})  # fmt: skip
+
+    def warm_up(self) -> int:
+        """Start the warm-start fork server (or return the running one) and wait until it listens."""
+        st = self.state()
+        if st.warm_pid and pid_alive(st.warm_pid) and self.warm_socket().exists():
+            return st.warm_pid
+        spec = ProcessSpec(role="warm-start", command=server_command(self.warm_socket()), env=self.worker_env(),
+                           cwd=str(project_dir()))  # fmt: skip
+        record, proc = start_process(spec, self.home / "warm-start.log")
+        self._save(st.model_copy(update={"warm_pid": record.pid}))
+        wait_listening(self.warm_socket(), proc)
+        return record.pid
+
     def worker_up(self, *, query_seconds: float = WORKER_QUERY_SECONDS) -> int:
+        """Start the fork server, then the worker (or return the running worker)."""
+        self.warm_up()
         st = self.state()
         if st.worker_pid and pid_alive(st.worker_pid):
             return st.worker_pid
-        env = dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
-                   PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds))  # fmt: skip
+        env = self.worker_env(query_seconds)
         spec = ProcessSpec(
             role="worker",
             command=[sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
@@ -121,6 +150,9 @@ class LocalStack:
         if st.worker_pid and pid_alive(st.worker_pid):
             stop_groups([st.worker_pid], grace_s=30)
             stopped.append(f"worker {st.worker_pid}")
+        if st.warm_pid and pid_alive(st.warm_pid):
+            stop_groups([st.warm_pid], grace_s=30)
+            stopped.append(f"warm-start {st.warm_pid}")
         if st.server_pid and pid_alive(st.server_pid):
             stop_server(st.server_pid)
             stopped.append(f"server {st.server_pid}")

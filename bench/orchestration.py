@@ -8,7 +8,10 @@
      event to a deployment with an event trigger, run by a process worker polling every 1 s;
    - `direct, worker 0.5 s` (after, what `EvalClient` and `app.stack` do now): `POST
      /deployments/{id}/create_flow_run` with the point's idempotency key (the event only as a
-     fallback), run by a process worker polling every `WORKER_QUERY_SECONDS`, on its own pool.
+     fallback), run by a process worker polling every `WORKER_QUERY_SECONDS`, on its own pool;
+   - `direct, ..., warm` (what `app.stack` does now): the same, on a pool whose flow runs go
+     through the warm start (`app.warm_start`: a thin client hands the run to a fork server that
+     imported Prefect and the flow once) instead of a fresh `python -m prefect.engine`.
    Each request waits for the previous run to end, so it meets a quiet server.
    Latency is the server's Running timestamp minus the request's send time, broken down by the
    run's state timestamps: request → run created (trigger service) → Pending (worker poll) →
@@ -36,6 +39,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from app.stack import WORKER_QUERY_SECONDS
+from app.warm_start import SOCKET_ENV, server_command, wait_listening, write_job_template
 from tasks.admission import admitted
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,9 +81,10 @@ def measure_overhead(points: int) -> tuple[float, float]:
     return flow_s, bare_s
 
 
-PATHS = {  # before: the trigger path with the worker polling every 1 s; after: what the product does now
+PATHS = {  # before: the trigger path with the worker polling every 1 s; then direct runs; now warm
     "event, worker 1 s": ("bench-pool-event", 1.0),
     f"direct, worker {WORKER_QUERY_SECONDS:g} s": ("bench-pool-direct", WORKER_QUERY_SECONDS),
+    f"direct, {WORKER_QUERY_SECONDS:g} s, warm": ("bench-pool-warm", WORKER_QUERY_SECONDS),
 }
 PHASES = ("created", "pending", "running")
 
@@ -87,8 +92,11 @@ PHASES = ("created", "pending", "running")
 def _deploy(pool: str, name: str, triggered: bool) -> str:
     from prefect.events import DeploymentEventTrigger
 
+    template = []
+    if pool.endswith("-warm"):
+        template = ["--base-job-template", str(write_job_template(Path(tempfile.mkdtemp()) / "warm.json"))]
     subprocess.run(
-        [sys.executable, "-m", "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite"],
+        [sys.executable, "-m", "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite", *template],
         check=True, capture_output=True,
     )  # fmt: skip
     trigger = DeploymentEventTrigger(
@@ -106,6 +114,8 @@ def _deploy(pool: str, name: str, triggered: bool) -> str:
 
 def _worker(pool: str, query_s: float, log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS=str(query_s), PREFECT_WORKER_PREFETCH_SECONDS=str(query_s))
+    if pool.endswith("-warm"):
+        env[SOCKET_ENV] = str(log.with_suffix(".sock"))
     with open(log, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
@@ -124,6 +134,11 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
         for i, (label, (pool, _)) in enumerate(PATHS.items())
     }
     tmp = Path(tempfile.gettempdir())
+    sock = tmp / f"bench-worker-bench-pool-warm-{os.getpid()}.sock"
+    with open(sock.with_suffix(".fork.log"), "w") as out:
+        warm = subprocess.Popen(server_command(sock), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    wait_listening(sock, warm)
     workers = [_worker(pool, q, tmp / f"bench-worker-{pool}-{os.getpid()}.log") for pool, q in PATHS.values()]
     out: dict[str, list[dict[str, float]]] = {label: [] for label in PATHS}
     http = httpx.Client(timeout=30)
@@ -152,9 +167,9 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
                 _wait_terminal(http, api_url, flow_run_id)  # the next request meets a quiet server
     finally:
         http.close()
-        for worker in workers:
+        for worker in [*workers, warm]:
             os.killpg(worker.pid, 15)
-        for worker in workers:
+        for worker in [*workers, warm]:
             worker.wait(timeout=30)
     return out
 
@@ -222,8 +237,11 @@ def main(argv: list[str] | None = None) -> None:
         for stat, fn in (("p50", statistics.median), ("max", max)):
             cells = "".join(f"{fn([r[phase] for r in latencies[label]]):26.2f}" for label in labels)
             print(f"{'-> ' + phase + ' ' + stat:44}{cells}")
-    before, after = (statistics.median([r["running"] for r in latencies[label]]) for label in labels)
-    print(f"{'Running p50 ratio after / before':44}{after / before:26.2f}")
+    before, direct, warm = (statistics.median([r["running"] for r in latencies[label]]) for label in labels)
+    print(f"{'Running p50 ratio direct / event':44}{direct / before:26.2f}")
+    print(f"{'Running p50 ratio warm / direct (cold)':44}{warm / direct:26.2f}")
+    print(f"{'Running p50 ratio warm / event':44}{warm / before:26.2f}")
+    print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from prefect import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
 from prefect.client.schemas.objects import FlowRun
 
+from app.warm_start import SOCKET_ENV, server_command, wait_listening, write_job_template
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,7 @@ class Deployed:
     api_url: str
     worker_pid: int
     deployment_id: str
+    warm_server_pid: int  # the warm-start fork server the pool's flow runs go through
 
 
 def prefect_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -48,17 +51,25 @@ def without_aws_credentials(env: dict[str, str], empty_dir: Path) -> dict[str, s
 @pytest.fixture(scope="session")
 def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     env = dict(os.environ, PREFECT_API_URL=prefect_server, PINNED_EVAL_PROJECT_DIR=str(REPO))
-    pool = prefect_cli("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite", env=env)
+    worker_dir = tmp_path_factory.mktemp("worker")
+    template = write_job_template(worker_dir / "warm-template.json")
+    pool = prefect_cli("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite",
+                       "--base-job-template", str(template), env=env)  # fmt: skip
     assert pool.returncode == 0, pool.stdout + pool.stderr
     dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert dep.returncode == 0, dep.stdout + dep.stderr
-    worker_dir = tmp_path_factory.mktemp("worker")
+    sock = worker_dir / "warm.sock"
+    worker_env = dict(without_aws_credentials(env, worker_dir), **{SOCKET_ENV: str(sock)})
+    warm_log = open(worker_dir / "warm-start.log", "w")  # noqa: SIM115 - closed at teardown
+    warm = subprocess.Popen(server_command(sock), cwd=REPO, env=worker_env, stdout=warm_log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    wait_listening(sock, warm)
     log = open(worker_dir / "worker.log", "w")  # noqa: SIM115 - closed at teardown
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process"],
         cwd=REPO,
         env=dict(
-            without_aws_credentials(env, worker_dir),
+            worker_env,
             PREFECT_WORKER_QUERY_SECONDS="0.5",
             PREFECT_WORKER_PREFETCH_SECONDS="0.5",
         ),
@@ -69,14 +80,16 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     with get_client(sync_client=True) as c:
         [d] = c.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["eval-point"])))
     try:
-        yield Deployed(prefect_server, worker.pid, str(d.id))
+        yield Deployed(prefect_server, worker.pid, str(d.id), warm.pid)
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
+        for proc in (worker, warm):
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+        warm_log.close()
 
 
 def runs_of_deployment(deployment_id: str, run: str) -> list[FlowRun]:

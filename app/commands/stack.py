@@ -52,11 +52,20 @@ def deploy() -> None:
 def worker(
     query_seconds: Annotated[float, typer.Option(help="How often the worker polls for runs.")] = 0.5,
 ) -> None:
-    """Run a process worker on the `pinned-eval` pool in the foreground (Ctrl-C stops it)."""
+    """Run a process worker on the `pinned-eval` pool in the foreground (Ctrl-C stops it), with its
+    warm-start fork server beside it (started first, stopped by PID after it)."""
     from app.stack import WORK_POOL, project_dir  # prefect: slow import; `pinned-eval --help` stays fast
+    from pinned_eval.processes import stop_groups
 
-    env = dict(_stack().env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
-               PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds))  # fmt: skip
+    stack = _stack()
+    started = stack.state().warm_pid
+    warm_pid = stack.warm_up()
+    env = stack.worker_env(query_seconds)
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"]
     os.chdir(project_dir())
-    raise typer.Exit(subprocess.call(cmd, env=env))
+    try:
+        code = subprocess.call(cmd, env=env)
+    finally:
+        if warm_pid != started:  # this command started it
+            stop_groups([warm_pid], grace_s=30)
+    raise typer.Exit(code)

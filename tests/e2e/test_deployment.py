@@ -6,9 +6,11 @@ import os
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 from prefect import get_client
 
+from app.warm_start import CLIENT
 from blocks import StagingBlock
 from pinned_eval.events import BlockNames, point_event, post_events
 from pinned_eval.points import PointRequest, SnapshotSource
@@ -41,6 +43,8 @@ def test_event_triggers_exactly_one_run_per_event_id(point_env: PointEnv, deploy
     assert done.parameters["step"] == 21 and done.parameters["source"]["path"] == dest
     assert len(runs_of_deployment(deployed.deployment_id, point_env.run)) == 1
     assert {r.state for r in JsonlSink(point_env.jsonl).read(point_env.run)} == {"measured"}
+    # the flow-run process (a fork of the warm-start server) ships its logs to the server
+    assert any("Finished in state Completed" in m for m in _log_messages(fr.id)), _log_messages(fr.id)
 
 
 def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(
@@ -51,7 +55,12 @@ def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(
     [fr] = wait_for(lambda: runs_of_deployment(deployed.deployment_id, point_env.run), 60, "the triggered run")
     proc = wait_for(lambda: flow_run_process(deployed.worker_pid, str(fr.id)), 60, "the flow-run process")
     wait_for(lambda: _task_started(fr.id, "score"), 120, "the point to reach its score")  # mid-point, not at boot
+    # the worker's process is the warm start's thin client (a cold fallback would have exec'd prefect.engine)
+    assert str(CLIENT) in proc.cmdline(), proc.cmdline()
+    [engine] = [p for h in psutil.Process(deployed.warm_server_pid).children() for p in h.children()]
     os.kill(proc.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs([engine], timeout=30)
+    assert not alive, "the fork server takes the flow run down with its client"
     done = wait_for(lambda: (r := _read(fr.id)).state.is_final() and r, 120, "the crash to be recorded")
     assert done.state.is_crashed()
     # retired = entered the keep-ring (keep_snapshots=2 keeps it on disk for a rerun)
@@ -66,6 +75,14 @@ def _task_started(flow_run_id, prefix: str) -> bool:  # type: ignore[no-untyped-
     with get_client(sync_client=True) as c:
         tasks = c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
     return any(t.name.startswith(prefix) for t in tasks)
+
+
+def _log_messages(flow_run_id) -> list[str]:  # type: ignore[no-untyped-def]
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
 
 
 def _read(flow_run_id):  # type: ignore[no-untyped-def]

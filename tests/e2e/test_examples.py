@@ -183,4 +183,4 @@ def test_self_contained_run_starts_and_stops_its_own_stack(concurrent: dict[str,
     assert run_dir is not None
     assert not (run_dir / "fleet" / "fleet.json").exists(), "the fleet was stopped (its state file removed)"
     state = LocalStack(run_dir / "stack").state()
-    assert state.server_pid is None and state.worker_pid is None, state  # stopped by the example
+    assert state.server_pid is None and state.worker_pid is None and state.warm_pid is None, state  # stopped

@@ -1,0 +1,59 @@
+"""Warm start of flow-run processes: a fork server beside the process worker and its thin client.
+
+Opt-in per work pool: `warm_job_template()` is a process pool's base job template whose `command`
+(`pool_command()`) runs each flow run through the thin client, and the worker's environment names
+the server's socket (`SOCKET_ENV`, which the worker passes on to the client). Without a listening
+server the client cold-starts `python -m prefect.engine`, so nothing breaks, it is just slower.
+`start_server` / `wait_listening` start it beside a worker; stop it by PID (SIGTERM) with it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.warm_start.client import SOCKET_ENV
+
+CLIENT = Path(__file__).with_name("client.py")
+
+__all__ = ["CLIENT", "SOCKET_ENV", "pool_command", "server_command", "wait_listening", "warm_job_template"]
+
+
+def pool_command(python: str = sys.executable) -> str:
+    """The process worker's `command` for a warm-started flow run (absolute, so any cwd works)."""
+    return f"{python} -S {CLIENT}"
+
+
+def server_command(socket_path: Path, python: str = sys.executable) -> list[str]:
+    """Command line of the fork server (run it from the project directory, which must be importable)."""
+    return [python, "-m", "app.warm_start.server", "--socket", str(socket_path)]
+
+
+def warm_job_template() -> dict[str, Any]:
+    """The process worker's default base job template with `command` defaulting to `pool_command()`."""
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    template["variables"]["properties"]["command"]["default"] = pool_command()
+    return template
+
+
+def write_job_template(path: Path) -> Path:
+    """`warm_job_template()` as JSON at `path`, for `prefect work-pool create --base-job-template`."""
+    path.write_text(json.dumps(warm_job_template()))
+    return path
+
+
+def wait_listening(socket_path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    """Block until the server listens on `socket_path`; `RuntimeError` if it exits or times out first."""
+    deadline = time.monotonic() + timeout_s
+    while not socket_path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"warm-start server exited with {proc.returncode} before listening on {socket_path}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"warm-start server not listening on {socket_path} within {timeout_s}s")
+        time.sleep(0.05)
