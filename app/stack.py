@@ -1,6 +1,8 @@
-"""The local orchestration stack: a Prefect server, the deployments, a process worker and its
+"""The local orchestration stack: a Prefect server, the deployments, a process worker, its
 warm-start fork server (`app.warm_start`: the pool's flow runs fork from a process that imported
-Prefect and the eval-point flow once, instead of starting a fresh interpreter each).
+Prefect and the eval-point flow once, instead of starting a fresh interpreter each) and its backend
+host (`pinned_eval.backend_host`: external-posture backends built once and reused by every flow run
+of the worker, disposed when the host stops).
 
 Whoever starts a process stops it by PID: `LocalStack` records every process it starts in a
 state file under its home, so `pinned-eval server down` (or the demo's exit) can stop them from
@@ -21,6 +23,7 @@ from pydantic import BaseModel
 
 from app.prefect_server import ServerProcess, start_server, stop_server
 from app.warm_start import SOCKET_ENV, server_command, wait_listening, write_job_template
+from pinned_eval.backend_host import HOST_ENV, host_command, wait_host_ready
 from pinned_eval.processes import ProcessSpec, free_port, pid_alive, start_process, stop_groups
 
 WORK_POOL = "pinned-eval"
@@ -46,6 +49,7 @@ class StackState(BaseModel):
     prefect_home: str | None = None
     worker_pid: int | None = None
     warm_pid: int | None = None
+    backend_host_pid: int | None = None
 
 
 class LocalStack:
@@ -109,11 +113,27 @@ class LocalStack:
     def warm_socket(self) -> Path:
         return self.home.resolve() / "warm.sock"
 
+    def backend_socket(self) -> Path:
+        return self.home.resolve() / "backends.sock"
+
     def worker_env(self, query_seconds: float = WORKER_QUERY_SECONDS) -> dict[str, str]:
-        """The worker's environment: poll/prefetch interval and the warm-start socket (passed on to flow runs)."""
+        """The worker's environment: poll/prefetch interval, the warm-start socket and the backend
+        host's socket (both passed on to flow runs)."""
         return dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
                     PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds),
-                    **{SOCKET_ENV: str(self.warm_socket())})  # fmt: skip
+                    **{SOCKET_ENV: str(self.warm_socket()), HOST_ENV: str(self.backend_socket())})  # fmt: skip
+
+    def backend_host_up(self) -> int:
+        """Start the backend host (or return the running one) and wait until it answers."""
+        st = self.state()
+        if st.backend_host_pid and pid_alive(st.backend_host_pid) and self.backend_socket().exists():
+            return st.backend_host_pid
+        spec = ProcessSpec(role="backend-host", command=host_command(self.backend_socket()), env=self.worker_env(),
+                           cwd=str(project_dir()))  # fmt: skip
+        record, _ = start_process(spec, self.home / "backend-host.log")
+        self._save(st.model_copy(update={"backend_host_pid": record.pid}))
+        wait_host_ready(self.backend_socket())
+        return record.pid
 
     def warm_up(self) -> int:
         """Start the warm-start fork server (or return the running one) and wait until it listens."""
@@ -128,8 +148,9 @@ class LocalStack:
         return record.pid
 
     def worker_up(self, *, query_seconds: float = WORKER_QUERY_SECONDS) -> int:
-        """Start the fork server, then the worker (or return the running worker)."""
+        """Start the fork server and the backend host, then the worker (or return the running worker)."""
         self.warm_up()
+        self.backend_host_up()
         st = self.state()
         if st.worker_pid and pid_alive(st.worker_pid):
             return st.worker_pid
@@ -153,6 +174,9 @@ class LocalStack:
         if st.warm_pid and pid_alive(st.warm_pid):
             stop_groups([st.warm_pid], grace_s=30)
             stopped.append(f"warm-start {st.warm_pid}")
+        if st.backend_host_pid and pid_alive(st.backend_host_pid):  # SIGTERM: it disposes its backends
+            stop_groups([st.backend_host_pid], grace_s=60)
+            stopped.append(f"backend-host {st.backend_host_pid}")
         if st.server_pid and pid_alive(st.server_pid):
             stop_server(st.server_pid)
             stopped.append(f"server {st.server_pid}")

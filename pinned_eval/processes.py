@@ -40,7 +40,7 @@ class ProcessSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    role: Literal["engine", "router", "prefect-server", "worker", "warm-start"]
+    role: Literal["engine", "router", "prefect-server", "worker", "warm-start", "backend-host"]
     command: list[str] = Field(min_length=1)
     env: dict[str, str] = Field(default_factory=dict, description="Added on top of the launcher's environment.")
     port: int = Field(default=0, ge=0, lt=65536, description="0: the process serves nothing (a worker).")

@@ -13,6 +13,8 @@ pytest_plugins = ["tests.pointkit", "tests.deploykit"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# in-process flows keep external backends in this process; a backend host is named by the tests that start one
+os.environ.pop("PINNED_EVAL_BACKEND_HOST", None)
 
 
 def free_port() -> int:

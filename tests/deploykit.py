@@ -18,6 +18,7 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterNam
 from prefect.client.schemas.objects import FlowRun
 
 from app.warm_start import SOCKET_ENV, server_command, wait_listening, write_job_template
+from pinned_eval.backend_host import HOST_ENV, host_command, wait_host_ready
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,8 @@ class Deployed:
     worker_pid: int
     deployment_id: str
     warm_server_pid: int  # the warm-start fork server the pool's flow runs go through
+    backend_host_pid: int  # the backend host the pool's external points use
+    backend_socket: Path
 
 
 def prefect_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -58,12 +61,15 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     assert pool.returncode == 0, pool.stdout + pool.stderr
     dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert dep.returncode == 0, dep.stdout + dep.stderr
-    sock = worker_dir / "warm.sock"
-    worker_env = dict(without_aws_credentials(env, worker_dir), **{SOCKET_ENV: str(sock)})
+    sock, backend_sock = worker_dir / "warm.sock", worker_dir / "backends.sock"
+    worker_env = dict(without_aws_credentials(env, worker_dir), **{SOCKET_ENV: str(sock), HOST_ENV: str(backend_sock)})
     warm_log = open(worker_dir / "warm-start.log", "w")  # noqa: SIM115 - closed at teardown
     warm = subprocess.Popen(server_command(sock), cwd=REPO, env=worker_env, stdout=warm_log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    host = subprocess.Popen(host_command(backend_sock), cwd=REPO, env=worker_env, stdout=warm_log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     wait_listening(sock, warm)
+    wait_host_ready(backend_sock)
     log = open(worker_dir / "worker.log", "w")  # noqa: SIM115 - closed at teardown
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process"],
@@ -80,9 +86,9 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     with get_client(sync_client=True) as c:
         [d] = c.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["eval-point"])))
     try:
-        yield Deployed(prefect_server, worker.pid, str(d.id), warm.pid)
+        yield Deployed(prefect_server, worker.pid, str(d.id), warm.pid, host.pid, backend_sock)
     finally:
-        for proc in (worker, warm):
+        for proc in (worker, warm, host):
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=20)

@@ -53,19 +53,22 @@ def worker(
     query_seconds: Annotated[float, typer.Option(help="How often the worker polls for runs.")] = 0.5,
 ) -> None:
     """Run a process worker on the `pinned-eval` pool in the foreground (Ctrl-C stops it), with its
-    warm-start fork server beside it (started first, stopped by PID after it)."""
+    warm-start fork server and backend host beside it (started first, stopped by PID after it; the
+    host disposes its external backends as it stops)."""
     from app.stack import WORK_POOL, project_dir  # prefect: slow import; `pinned-eval --help` stays fast
     from pinned_eval.processes import stop_groups
 
     stack = _stack()
-    started = stack.state().warm_pid
-    warm_pid = stack.warm_up()
+    before = stack.state()
+    warm_pid, host_pid = stack.warm_up(), stack.backend_host_up()
     env = stack.worker_env(query_seconds)
     cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"]
     os.chdir(project_dir())
     try:
         code = subprocess.call(cmd, env=env)
     finally:
-        if warm_pid != started:  # this command started it
+        if warm_pid != before.warm_pid:  # this command started it
             stop_groups([warm_pid], grace_s=30)
+        if host_pid != before.backend_host_pid:
+            stop_groups([host_pid], grace_s=60)
     raise typer.Exit(code)
