@@ -1,10 +1,11 @@
 """External posture: a black-box `CheckpointEvalFn` measures a checkpoint directory instead of the fleet.
 
 Two points of one run, requested with the trainer's event (`pinned-eval.point.requested`):
-- step 10 uses the reference backend `SGLangCheckpointEval` with `launch="cpu"`: inside the flow
-  run it launches its own CPU engine, pins it to the checkpoint as version "10" (read back from
-  `/model_info`), generates and scores the suite, and stops the engine in `dispose()` (when the
-  flow-run process exits: a backend is built once per process and configuration);
+- step 10 uses the reference backend `SGLangCheckpointEval` with `launch="cpu"`: in the worker's
+  backend host it launches its own CPU engine, pins it to the checkpoint as version "10" (read
+  back from `/model_info`), generates and scores the suite; the engine stays up for the next point
+  of that configuration and `dispose()` stops it when the host stops (a backend is built once per
+  worker and configuration);
 - step 11 uses `QuotaBackend` below, a custom backend for a metered eval service: without credits
   it raises `EvalSkip("quota")`, recorded as `eval/skipped_quota: 1` at step 11.
 A backend is imported by the worker from its `module:Class` path, so it must be importable there
