@@ -53,6 +53,7 @@ from pinned_eval.fleet.models import (
     normalize_path,
     normalize_url,
 )
+from pinned_eval.fleet.readback import judge_readback
 from pinned_eval.fleet.router_api import RouterAPI
 from pinned_eval.polling import PollTimeout, apoll_until
 
@@ -379,28 +380,15 @@ class FleetClient:
         if base is not None:
             return await verify_adapter(self.engines, load, path, version, base)
         try:
-            info: EngineInfo | None = await self.engines.model_info(load.url)
+            info = await self.engines.model_info(load.url)
         except (httpx.TransportError, FleetError) as exc:
-            info, read_error = None, repr(exc)
-        got_version = info.weight_version if info else None
-        got_path = normalize_path(info.model_path) if info and info.model_path else None
-        problems = []
-        if not load.ok:
-            problems.append(f"load failed ({load.error}, HTTP {load.status_code}): {load.message[:300]}")
-        if info is None:
-            problems.append(f"read-back failed: {read_error:.500}")
-        else:
-            if got_version != version:  # reported values are cut: an engine may answer anything
-                problems.append(f"reads back weight_version {got_version!r:.200}, expected {version!r}")
-            if got_path != path:
-                problems.append(f"reads back model_path {got_path!r:.300}, expected {path!r}")
-        return EngineCheck(
-            url=load.url,
-            load=load,
-            weight_version=got_version,
-            model_path=got_path,
-            ok=not problems,
-            problem="; ".join(problems),
+            return judge_readback(load, version=version, path=path, read_error=repr(exc))
+        return judge_readback(
+            load,
+            version=version,
+            path=path,
+            got_version=info.weight_version,
+            got_path=normalize_path(info.model_path) if info.model_path else None,
         )
 
     async def _evict(self, urls: list[str]) -> None:
