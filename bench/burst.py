@@ -10,17 +10,18 @@ Invariants checked by `tests/reliability/test_burst.py` with `run_burst`: every 
 exactly one terminal record; staging never holds more than `keep_snapshots + max_in_flight`
 snapshots of the run; the server answers every health probe during the burst.
 
-`main()` (`python -m bench burst`) starts its own local stack (SQLite server, deployment,
-process worker, 2-engine CPU fleet, tiny model) and runs the same burst at max_in_flight 1 and 2
-side by side.
+`main()` (`python -m bench burst [--steps N]`): the same burst against a SQLite and a Postgres
+server side by side, on its own local stack (deployment, worker, 2-engine CPU fleet, tiny model).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -352,7 +353,10 @@ def _burst_on(stack_home: Path, db_url: str | None, model: Path, fleet_state: Pa
         stack.down()
 
 
-def main(steps: int = 200) -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench burst", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200, help="dispatches in the burst (default 200)")
+    steps = ap.parse_args(argv or []).steps
     from app.prefect_server import free_port
     from engine.tiny_model import make_tiny_model
     from pinned_eval.fleet.launcher import launch_cpu_fleet
@@ -393,4 +397,4 @@ def main(steps: int = 200) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

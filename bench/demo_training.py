@@ -4,10 +4,14 @@ One run of `DemoTrainer` with its default config (300 supervised warm-up steps o
 facts, then reward-filtered RL on the fully-async producer's rollouts); every `every` steps the
 in-process greedy exact-match accuracy on arith_add / arith_sub (the engine decodes the exported
 snapshot identically). Evaluation time is excluded from the steps/s figures.
+
+`python -m bench demo_training [--steps N] [--every N]`
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +19,12 @@ from pathlib import Path
 from app.demo.trainer import DemoConfig, DemoTrainer
 
 
-def main(steps: int = 1100, every: int = 100) -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench demo_training", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1100, help="training steps (default 1100)")
+    ap.add_argument("--every", type=int, default=100, help="evaluate every N steps (default 100)")
+    args = ap.parse_args(argv or [])
+    steps, every = args.steps, args.every
     with tempfile.TemporaryDirectory() as tmp, DemoTrainer(DemoConfig(work_dir=Path(tmp))) as tr:
         acc = tr.evaluate()
         rows = [("0", "-", 0.0, "-", acc["arith_add"], acc["arith_sub"], "-")]
@@ -46,4 +55,4 @@ def main(steps: int = 1100, every: int = 100) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

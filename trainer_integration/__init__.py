@@ -7,7 +7,8 @@ The public API, flat::
 `EvalClient` dispatches eval points from the loop; `ProducerGate` and `FullyAsyncProducer` are the
 reference fully-async producer and its gate (shared posture); `CheckpointEvalFn`, `EvalInput`,
 `EvalResults` and `EvalSkip` are the external posture's contract (defined in the core,
-`pinned_eval.external`, re-exported here). Modules: `client`, `events`, `rest`, `spool`,
+`pinned_eval.external`, re-exported here). Modules: `client`, `admission` and `admission_sync`
+(the client's admission view and the thread that refreshes it), `events`, `rest`, `spool`,
 `results`, `gate`, `producer`, `rollout_buffer`, `sglang_backend` (the reference external
 backend), `miles_adapter`.
 """

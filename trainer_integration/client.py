@@ -5,10 +5,11 @@ Contract:
   export, from local state only (never a network call on the caller's thread): the run's
   non-terminal eval-point flow runs as last read by the admission thread, plus the points this
   client requested that are not visible there yet (spooled, or sent and awaiting their run),
-  deduplicated by step. The admission thread re-reads the server every `poll_s` while points are
-  in flight (`idle_sync_s` otherwise), so the server stays the source of truth, also after a
-  restart of either side; the constructor waits up to `startup_sync_s` for its first answer (or
-  failure), so a restarted trainer's first dispatch already counts its points in flight.
+  deduplicated by step. The admission thread (`trainer_integration.admission_sync`) re-reads the
+  server every `poll_s` while points are in flight (`idle_sync_s` otherwise), so the server stays
+  the source of truth, also after a restart of either side; the constructor waits up to
+  `startup_sync_s` for its first answer (or failure), so a restarted trainer's first dispatch
+  already counts its points in flight.
   At `max_in_flight`: `skip` (never for the final point) records `busy` at the step without
   exporting; `backpressure` waits for the thread to see a slot free. While that view is not
   fresh (no answer yet, or the last query failed) the point is admitted (`admitted_offline`;
@@ -37,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -53,11 +53,11 @@ from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
 from trainer_integration.admission import AdmissionView
+from trainer_integration.admission_sync import AdmissionSync
 from trainer_integration.events import (
     SINKS_BLOCK_SLUG,
     Delivery,
     event_entry,
-    run_request_entry,
     skip_record_entry,
 )
 from trainer_integration.export_target import ExportTarget
@@ -147,15 +147,15 @@ class EvalClient:
         )
         for entry in self.spool.pending():  # a previous process's undelivered requests
             self.admission.note(entry)
-        self._stop = threading.Event()
-        self._sync_wake = threading.Event()
-        self._first_sync = threading.Event()  # the admission thread's first query answered or failed
-        self._sync_thread = threading.Thread(target=self._sync_loop, name="pinned-eval-admission", daemon=True)
+        self._sync = AdmissionSync(
+            run, self.rest, self.admission, self._target, self.blocks,
+            spooled=self._spooled, enqueue=self._enqueue, poll_s=poll_s, idle_sync_s=idle_sync_s,
+        )  # fmt: skip
         self.deliverer.start()
-        self._sync_thread.start()
+        self._sync.start()
         self.deliverer.kick()
         # the first dispatch should already see the server's view (a restarted trainer's points)
-        self._first_sync.wait(startup_sync_s)
+        self._sync.wait_first(startup_sync_s)
 
     @property
     def _staging(self) -> Any:
@@ -176,47 +176,10 @@ class EvalClient:
     def in_flight(self) -> set[int]:
         """Query the server now and refresh the view admission reads (`AdmissionView`); returns
         the steps in flight. Network I/O: the admission thread calls it; `dispatch` never does."""
-        runs = self.rest.point_runs(self.run)
-        busy, fallback = self.admission.refresh(runs, self._spooled())
-        for request in fallback:
-            self._enqueue(run_request_entry(request, self.blocks))
-        return busy
+        return self._sync.refresh()
 
     def _spooled(self) -> set[int]:
         return {e.step for e in self.spool.pending() if e.kind != "skip_record"}
-
-    def _sync_loop(self) -> None:
-        """The admission thread: keeps the server's view fresh; all admission I/O happens here.
-        When it ends (close, or an unexpected error) the view is marked stale, so admission
-        degrades to admitting offline rather than trusting a frozen view."""
-        failing_since: float | None = None
-        try:
-            while not self._stop.is_set():
-                self._sync_wake.clear()
-                try:
-                    self.in_flight()
-                    failing_since = None
-                except (ApiUnavailableError, httpx.HTTPError, ValueError) as exc:  # ValueError: a garbled answer
-                    self.admission.stale()
-                    now = time.monotonic()
-                    failing_since = failing_since or now
-                    level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
-                    log.log(level, "pinned-eval: admission state of %s not refreshed (%s)", self.run, exc)
-                self._fetch_staging_block()
-                self._first_sync.set()
-                busy = self.admission.active() or failing_since is not None
-                self._sync_wake.wait(self.poll_s if busy else self.idle_sync_s)
-        finally:
-            self.admission.stale()
-            self._first_sync.set()
-
-    def _fetch_staging_block(self) -> None:
-        if not self._target.wants_block:
-            return
-        try:
-            self._target.fetch(self.rest, self.blocks.staging)
-        except (ApiUnavailableError, httpx.HTTPError) as exc:
-            log.debug("pinned-eval: staging block %r not read yet (%s)", self.blocks.staging, exc)
 
     @property
     def synced(self) -> bool:
@@ -225,8 +188,7 @@ class EvalClient:
 
     def wait_synced(self, timeout: float) -> bool:
         """Block until the admission thread has a fresh answer from the server; False on timeout."""
-        self._sync_wake.set()
-        return self.admission.wait_fresh(timeout)
+        return self._sync.wait_fresh(timeout)
 
     # ---- dispatch ------------------------------------------------------------------------------
 
@@ -273,7 +235,7 @@ class EvalClient:
     ) -> DispatchResult:
         verdict, n, waited, offline = self.admission.decide(
             step, final=final, policy=self.policy, max_in_flight=self.max_in_flight, spooled=self._spooled,
-            poll_s=self.poll_s, wake=self._sync_wake.set,
+            poll_s=self.poll_s, wake=self._sync.wake,
         )  # fmt: skip
         common: dict[str, Any] = {"step": step, "in_flight": n, "waited_seconds": waited, "admitted_offline": offline}
         if verdict == "exists":
@@ -419,11 +381,10 @@ class EvalClient:
             return await self.shared_point(step, final=final, timeout=timeout)
 
     def close(self) -> None:
-        self._stop.set()
-        self._sync_wake.set()
+        self._sync.stop()
         self.deliverer.stop()
         self.progress.stop()
-        self._sync_thread.join(5)
+        self._sync.join(5)
         self.rest.http.close()
 
     def __enter__(self) -> EvalClient:

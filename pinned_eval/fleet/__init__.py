@@ -1,7 +1,8 @@
 """Fleet: pin SGLang-protocol engines to one verified weight version and generate through the router.
 
-`client` (pin, health, revive, generate), `launcher` (start/stop engines + sglang-router),
-`sglang_args` (real SGLang commands for GPU fleets). No Prefect imports here.
+`client` (pin, health, revive, generate), `health` (up, busy or dead: one engine),
+`readback` (a pin's per-engine verdict), `lora` (adapter-mode pin steps), `launcher` (start/stop
+engines + sglang-router), `sglang_args` (real SGLang commands for GPU fleets). No Prefect imports here.
 """
 
 from pinned_eval.fleet.client import FleetClient, FleetConfig, Reviver

@@ -8,11 +8,8 @@ Contract:
   engine loaded and reports both `weight_version == version` and `model_path == path`. Two attempts,
   then `PinViolation`; engines down and not revivable, or a router that never serves, raise
   `FleetUnhealthy`. On success the router's membership is exactly the verified engines.
-- Health never calls a loading or paused engine dead: a 503 is "busy" while this client has a load
-  or pause in flight, and otherwise until `dead_after_s` has passed with the 503 persisting. Only
-  connection refused, or that persisting 503, is "dead". An engine whose weights are unknown and
-  answers 503 while `/model_info` answers is busy but loadable (the next load heals it), not dead;
-  a later client learns it from the engine when the engine reports it (`weights_ok` false).
+- Health never calls a loading or paused engine dead (up / busy / dead as `pinned_eval.fleet.health`
+  defines them, from what the engine answers and what this client has in flight).
 - Weights are "unknown" on an engine from the start of a load until a pin verifies it, after a failed
   load and after a revival; such an engine is never registered with the router.
 - `generate` retries `finish_reason.type == "abort"` (bounded) and raises `WeightVersionMismatch`
@@ -25,7 +22,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -40,6 +36,7 @@ from pinned_eval.fleet.errors import (
     PinViolation,
 )
 from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
+from pinned_eval.fleet.health import EngineRecord, engine_health
 from pinned_eval.fleet.lora import load_adapter, verify_adapter
 from pinned_eval.fleet.models import (
     EngineCheck,
@@ -53,6 +50,7 @@ from pinned_eval.fleet.models import (
     normalize_path,
     normalize_url,
 )
+from pinned_eval.fleet.readback import judge_readback
 from pinned_eval.fleet.router_api import RouterAPI
 from pinned_eval.polling import PollTimeout, apoll_until
 
@@ -88,18 +86,6 @@ class FleetConfig(BaseModel):
     admin_api_key: str | None = Field(default=None, repr=False, description="Control-plane bearer token.")
 
 
-@dataclass
-class _Engine:
-    """What the client knows of one engine beyond what the engine says."""
-
-    url: str
-    loading: bool = False
-    paused: bool = False
-    weights_known: bool = True  # the engine serves what it booted with, until we load something
-    verified_version: str | None = None
-    unhealthy_since: float | None = None
-
-
 class FleetClient:
     """Async client for N SGLang-protocol engines behind one sglang-router. Use `async with`."""
 
@@ -115,7 +101,7 @@ class FleetClient:
         if not engine_urls:
             raise ValueError("engine_urls: a fleet needs at least one engine")
         self.config = config or FleetConfig()
-        self._engines = {normalize_url(u): _Engine(normalize_url(u)) for u in engine_urls}
+        self._engines = {normalize_url(u): EngineRecord(normalize_url(u)) for u in engine_urls}
         self._reviver = reviver
         self._control = httpx.AsyncClient(transport=transport, timeout=self.config.load_timeout_s)
         limits = httpx.Limits(
@@ -173,84 +159,11 @@ class FleetClient:
         return await self.engines.model_info(url)
 
     async def health(self, url: str) -> EngineHealth:
-        """Classify one engine as up, busy or dead (see the module contract)."""
-        rec = self._engines[normalize_url(url)]
-        if rec.loading or rec.paused:
-            # /health would generate, and waits behind the load or the pause: ask /model_info instead.
-            why = "loading" if rec.loading else "paused"
-            try:
-                await self.engines.model_info(rec.url)
-            except httpx.TimeoutException:
-                return self._view(rec, HealthState.BUSY, f"{why}; /model_info timed out")
-            except httpx.TransportError as exc:
-                return self._view(rec, HealthState.DEAD, f"{why} but unreachable: {exc!r}")
-            return self._view(rec, HealthState.BUSY, why, loadable=rec.paused)  # a paused engine loads at once
-        try:
-            status = await self._health_status(rec.url)
-        except httpx.TimeoutException:
-            status = 503  # SGLang answers 503 after its own 20 s; a slower silence is the same thing
-        except httpx.TransportError as exc:
-            return self._view(rec, HealthState.DEAD, f"unreachable: {exc!r}")
-        if status == 200:
-            rec.unhealthy_since = None
-            return self._view(rec, HealthState.UP, "ok", status, loadable=True)
-        if status != 503:
-            raise FleetError(f"{rec.url}/health answered HTTP {status} (auth or protocol problem)")
-        now = time.monotonic()
-        rec.unhealthy_since = rec.unhealthy_since or now
-        persisted = now - rec.unhealthy_since
-        if persisted >= self.config.dead_after_s and rec.weights_known:
-            return self._view(rec, HealthState.DEAD, f"503 for {persisted:.0f}s with no load in flight", status)
-        try:
-            await self.engines.model_info(rec.url)
-        except httpx.ConnectError as exc:
-            return self._view(rec, HealthState.DEAD, f"503 then unreachable: {exc!r}", status)
-        except (httpx.TransportError, FleetError) as exc:
-            return self._view(rec, HealthState.BUSY, f"503; /model_info failed too: {exc!r}", status)
-        if not rec.weights_known or await self._reports_weights_unknown(rec.url):
-            # An engine may refuse to serve unknown weights (the bundled CPU engine does): a load heals it.
-            rec.weights_known, rec.verified_version = False, None
-            return self._view(rec, HealthState.BUSY, "503 with weights unknown; needs a load", status, loadable=True)
-        return self._view(rec, HealthState.BUSY, f"503 for {persisted:.0f}s; /model_info answers", status)
-
-    async def _reports_weights_unknown(self, url: str) -> bool:
-        """The engine itself says its weights are unknown after a failed load (the bundled CPU engine's
-        `/server_info` `internal_states[0].weights_ok`; SGLang has no such flag), so a client that did
-        not see the failed load (a later point's) reloads it instead of waiting `dead_after_s`."""
-        try:
-            info = await self.engines.server_info(url)
-        except (httpx.TransportError, FleetError, ValueError):  # ValueError: not JSON
-            return False
-        states = info.get("internal_states")
-        return bool(states) and isinstance(states, list) and isinstance(states[0], dict) and (
-            states[0].get("weights_ok") is False
-        )
-
-    async def _health_status(self, url: str) -> int:
-        """`/health` status; a dropped connection (not a refused one) is asked again once on a new one."""
-        try:
-            return await self.engines.health(url)
-        except (httpx.ConnectError, httpx.TimeoutException):
-            raise
-        except httpx.TransportError:
-            return await self.engines.health(url)
+        """Classify one engine as up, busy or dead (`pinned_eval.fleet.health`)."""
+        return await engine_health(self.engines, self._engines[normalize_url(url)], self.config.dead_after_s)
 
     async def fleet_health(self) -> list[EngineHealth]:
         return list(await asyncio.gather(*(self.health(u) for u in self._engines)))
-
-    @staticmethod
-    def _view(
-        rec: _Engine, state: HealthState, detail: str, status: int | None = None, *, loadable: bool = False
-    ) -> EngineHealth:
-        return EngineHealth(
-            url=rec.url,
-            state=state,
-            detail=detail,
-            status_code=status,
-            loadable=loadable,
-            weights_known=rec.weights_known,
-            verified_version=rec.verified_version,
-        )
 
     async def ensure_alive(self) -> list[str]:
         """Wait until every engine is up or can take a load, reviving dead launched ones once each.
@@ -379,28 +292,15 @@ class FleetClient:
         if base is not None:
             return await verify_adapter(self.engines, load, path, version, base)
         try:
-            info: EngineInfo | None = await self.engines.model_info(load.url)
+            info = await self.engines.model_info(load.url)
         except (httpx.TransportError, FleetError) as exc:
-            info, read_error = None, repr(exc)
-        got_version = info.weight_version if info else None
-        got_path = normalize_path(info.model_path) if info and info.model_path else None
-        problems = []
-        if not load.ok:
-            problems.append(f"load failed ({load.error}, HTTP {load.status_code}): {load.message[:300]}")
-        if info is None:
-            problems.append(f"read-back failed: {read_error:.500}")
-        else:
-            if got_version != version:  # reported values are cut: an engine may answer anything
-                problems.append(f"reads back weight_version {got_version!r:.200}, expected {version!r}")
-            if got_path != path:
-                problems.append(f"reads back model_path {got_path!r:.300}, expected {path!r}")
-        return EngineCheck(
-            url=load.url,
-            load=load,
-            weight_version=got_version,
-            model_path=got_path,
-            ok=not problems,
-            problem="; ".join(problems),
+            return judge_readback(load, version=version, path=path, read_error=repr(exc))
+        return judge_readback(
+            load,
+            version=version,
+            path=path,
+            got_version=info.weight_version,
+            got_path=normalize_path(info.model_path) if info.model_path else None,
         )
 
     async def _evict(self, urls: list[str]) -> None:

@@ -14,11 +14,14 @@ Contract (used by `FleetClient.pin(..., lora_base=...)`, one engine at a time, i
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 
 from pinned_eval.fleet.engine_api import EngineAPI
 from pinned_eval.fleet.errors import FleetError
 from pinned_eval.fleet.models import EngineCheck, LoadOutcome, normalize_path
+from pinned_eval.fleet.readback import judge_readback
 
 
 async def load_adapter(
@@ -48,29 +51,16 @@ async def load_adapter(
 
 
 async def verify_adapter(api: EngineAPI, load: LoadOutcome, adapter: str, version: str, base: str) -> EngineCheck:
-    problems = []
-    if not load.ok:
-        problems.append(f"adapter load failed ({load.error}, HTTP {load.status_code}): {load.message[:300]}")
-    got_version: str | None = None
-    got_path: str | None = None
+    """Read back `/model_info` and `/v1/models` of one engine and judge them (see the module contract)."""
+    judge = partial(
+        judge_readback, load, version=version, path=base, load_label="adapter load", path_label="base model_path"
+    )
     try:
         info = await api.model_info(load.url)
         adapters = await api.lora_adapters(load.url)
     except (httpx.TransportError, FleetError) as exc:
-        problems.append(f"read-back failed: {exc!r:.500}")
-    else:
-        got_version, got_path = info.weight_version, normalize_path(info.model_path)
-        if got_version != version:
-            problems.append(f"reads back weight_version {got_version!r:.200}, expected {version!r}")
-        if got_path != base:
-            problems.append(f"reads back base model_path {got_path!r:.300}, expected {base!r}")
-        if adapters != {version: adapter}:
-            problems.append(f"loaded adapters {str(adapters)[:300]}, expected only {version!r} from {adapter}")
-    return EngineCheck(
-        url=load.url,
-        load=load,
-        weight_version=got_version,
-        model_path=got_path,
-        ok=not problems,
-        problem="; ".join(problems),
-    )
+        return judge(read_error=repr(exc))
+    extra = []
+    if adapters != {version: adapter}:
+        extra.append(f"loaded adapters {str(adapters)[:300]}, expected only {version!r} from {adapter}")
+    return judge(got_version=info.weight_version, got_path=normalize_path(info.model_path), extra_problems=extra)
