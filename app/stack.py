@@ -16,7 +16,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel
@@ -125,26 +127,34 @@ class LocalStack:
 
     def backend_host_up(self) -> int:
         """Start the backend host (or return the running one) and wait until it answers."""
-        st = self.state()
-        if st.backend_host_pid and pid_alive(st.backend_host_pid) and self.backend_socket().exists():
-            return st.backend_host_pid
-        spec = ProcessSpec(role="backend-host", command=host_command(self.backend_socket()), env=self.worker_env(),
-                           cwd=str(project_dir()))  # fmt: skip
-        record, _ = start_process(spec, self.home / "backend-host.log")
-        self._save(st.model_copy(update={"backend_host_pid": record.pid}))
-        wait_host_ready(self.backend_socket())
-        return record.pid
+        sock = self.backend_socket()
+        return self._companion_up("backend-host", "backend_host_pid", sock, host_command(sock),
+                                  lambda _proc: wait_host_ready(sock))  # fmt: skip
 
     def warm_up(self) -> int:
         """Start the warm-start fork server (or return the running one) and wait until it listens."""
+        sock = self.warm_socket()
+        return self._companion_up("warm-start", "warm_pid", sock, server_command(sock),
+                                  lambda proc: wait_listening(sock, proc))  # fmt: skip
+
+    def _companion_up(
+        self,
+        role: Literal["warm-start", "backend-host"],
+        pid_field: Literal["warm_pid", "backend_host_pid"],
+        sock: Path,
+        command: list[str],
+        wait: Callable[[subprocess.Popen[bytes]], object],
+    ) -> int:
+        """A process beside the worker, serving on `sock` with the worker's environment: the
+        recorded one when it is alive and its socket exists, else a new one, recorded, waited for."""
         st = self.state()
-        if st.warm_pid and pid_alive(st.warm_pid) and self.warm_socket().exists():
-            return st.warm_pid
-        spec = ProcessSpec(role="warm-start", command=server_command(self.warm_socket()), env=self.worker_env(),
-                           cwd=str(project_dir()))  # fmt: skip
-        record, proc = start_process(spec, self.home / "warm-start.log")
-        self._save(st.model_copy(update={"warm_pid": record.pid}))
-        wait_listening(self.warm_socket(), proc)
+        pid = getattr(st, pid_field)
+        if pid and pid_alive(pid) and sock.exists():
+            return int(pid)
+        spec = ProcessSpec(role=role, command=command, env=self.worker_env(), cwd=str(project_dir()))
+        record, proc = start_process(spec, self.home / f"{role}.log")
+        self._save(st.model_copy(update={pid_field: record.pid}))
+        wait(proc)
         return record.pid
 
     def worker_up(self, *, query_seconds: float = WORKER_QUERY_SECONDS) -> int:
