@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,33 @@ def _records(data: bytes) -> Iterator[bytes]:
             pending = b""
 
 
-def _parsed(wandb_dir: Path) -> Iterator[Any]:
+def _file_records(path: Path) -> list[Any]:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    for path in sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")):
-        for raw in _records(path.read_bytes()):
-            rec = pb.Record()
-            rec.ParseFromString(raw)
-            yield rec
+    out = []
+    for raw in _records(path.read_bytes()):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        out.append(rec)
+    return out
+
+
+def _finished_files(wandb_dir: Path, timeout_s: float = 30.0) -> list[list[Any]]:
+    """Records of every offline run file, once each ends with its `exit` record: W&B's service
+    process writes a file after `finish()` has returned, so a file read at once may lack records.
+    Past `timeout_s` the files are returned as they are (the caller's assertion says what is missing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = [_file_records(p) for p in sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))]
+        done = all(recs and recs[-1].WhichOneof("record_type") == "exit" for recs in files)
+        if done or time.monotonic() > deadline:
+            return files
+        time.sleep(0.1)
+
+
+def _parsed(wandb_dir: Path) -> Iterator[Any]:
+    for recs in _finished_files(wandb_dir):
+        yield from recs
 
 
 def runs(wandb_dir: Path) -> list[dict[str, str]]:
@@ -68,14 +88,9 @@ def metric_definitions(wandb_dir: Path) -> set[tuple[str, str]]:
 
 def history_rows(wandb_dir: Path) -> list[dict[str, Any]]:
     """Every logged history row of every offline run under `wandb_dir`, in file order."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
     rows = []
-    for path in sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")):
-        for raw in _records(path.read_bytes()):
-            rec = pb.Record()
-            rec.ParseFromString(raw)
-            if rec.WhichOneof("record_type") == "history":
-                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
-                rows.append({k: v for k, v in row.items() if not k.startswith("_")})
+    for rec in _parsed(wandb_dir):
+        if rec.WhichOneof("record_type") == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            rows.append({k: v for k, v in row.items() if not k.startswith("_")})
     return rows
