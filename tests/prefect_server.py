@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from app.prefect_server import running_server
+
+BUSY_RETRY_S = 30.0
 
 
 @contextmanager
 def running_prefect_server(home: Path, port: int | None = None) -> Iterator[str]:
     with running_server(home, port) as server:
         yield server.api_url
+
+
+class _BusyRetryTransport(httpx.HTTPTransport):
+    """Sends a request again while the server answers 503: a SQLite-backed Prefect server under
+    load answers that for a locked database (Prefect's own client retries it the same way)."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        deadline = time.monotonic() + BUSY_RETRY_S
+        while True:
+            resp = super().handle_request(request)
+            if resp.status_code != 503 or time.monotonic() > deadline:
+                return resp
+            resp.close()
+            time.sleep(0.25)
+
+
+def prefect_rest_client(base_url: str = "", **kwargs: Any) -> httpx.Client:
+    """An httpx client for raw REST calls to the test Prefect server, retrying its busy 503s."""
+    return httpx.Client(base_url=base_url, transport=_BusyRetryTransport(), **{"timeout": 30, **kwargs})

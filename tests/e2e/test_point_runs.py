@@ -16,6 +16,7 @@ from prefect import get_client
 from app.history import read_history
 from flows.point_runs import point_flow_runs
 from pinned_eval.inflight import POINT_FLOW, in_flight
+from tests.prefect_server import prefect_rest_client
 from trainer_integration.rest import PrefectRest
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +37,7 @@ def _flow_run(http: httpx.Client, flow_id: str, run: str, step: int, state: str,
 
 def test_untagged_running_run_is_in_flight_for_every_reader(prefect_server: str) -> None:
     run, other = f"r{uuid.uuid4().hex[:8]}", f"o{uuid.uuid4().hex[:8]}"
-    with httpx.Client(base_url=prefect_server, timeout=30) as http:
+    with prefect_rest_client(prefect_server) as http:
         flow_id = http.post("/flows/", json={"name": POINT_FLOW}).json()["id"]
         untagged_running = _flow_run(http, flow_id, run, 1, "RUNNING", [])
         tagged_done = _flow_run(http, flow_id, run, 2, "COMPLETED", [f"run:{run}"])
@@ -44,7 +45,7 @@ def test_untagged_running_run_is_in_flight_for_every_reader(prefect_server: str)
         _flow_run(http, flow_id, other, 1, "RUNNING", [])  # another run's point
         scheduled = _flow_run(http, flow_id, run, 4, "SCHEDULED", [])
 
-    with httpx.Client(timeout=30) as http:
+    with prefect_rest_client() as http:
         rest_runs = PrefectRest(prefect_server, http).point_runs(run)
     with get_client(sync_client=True) as client:
         prefect_runs = point_flow_runs(client, run)

@@ -27,6 +27,7 @@ from pinned_eval.settings import PrefectApiSettings
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.staging import Staging
 from tests.pointkit import CpuFleet, save_point_blocks, write_step_snapshot
+from tests.prefect_server import prefect_rest_client
 from tests.s3_fixtures import KEY, S3Server
 from trainer_integration.rest import PrefectRest, api_client
 
@@ -92,7 +93,7 @@ def test_secrets_stay_out_of_parameters_logs_artifacts_and_sinks(
 
     flow_run_id = str(state.state_details.flow_run_id)
     secrets = [api_key, admin_key, s3_secret]
-    with httpx.Client(base_url=prefect_server, timeout=30) as api:
+    with prefect_rest_client(prefect_server) as api:
         fr = api.get(f"/flow_runs/{flow_run_id}").raise_for_status().json()
         logs = api.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}
                         ).raise_for_status().json()
