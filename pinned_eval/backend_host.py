@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -46,6 +47,8 @@ from pinned_eval.backends import BackendCache, backend_key
 from pinned_eval.external import EvalInput, EvalResults
 from pinned_eval.polling import poll_until
 from pinned_eval.skips import EvalSkipped
+
+log = logging.getLogger(__name__)
 
 HOST_ENV = "PINNED_EVAL_BACKEND_HOST"
 HEARTBEAT_S = 1.0
@@ -106,6 +109,8 @@ class BackendHost:
         try:
             while not (await asyncio.wait([task], timeout=HEARTBEAT_S))[0]:
                 yield b'{"event": "heartbeat"}\n'
+            if (exc := task.exception()) is not None and not isinstance(exc, EvalSkipped):
+                log.error("%s failed on %s (step %d)", req.backend, req.checkpoint_dir, req.input.step, exc_info=exc)
             yield _outcome_line(task)
         finally:
             task.cancel()  # no-op once done; else the client went away mid-evaluation
@@ -254,7 +259,9 @@ def host_command(socket_path: Path, python: str = sys.executable) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pinned_eval.backend_host", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", type=Path, required=True, help="Unix socket to serve on.")
-    serve(parser.parse_args(argv).socket)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(args.socket)
 
 
 __all__ = [

@@ -120,6 +120,9 @@ def test_skip_keeps_the_instance_a_crash_replaces_it(host: Host, tmp_path: Path)
     with pytest.raises(BackendError, match="RuntimeError: engine died mid-eval") as err:
         evaluate_hosted(host.socket, BACKEND, {"log": log, "mode": "boom"}, "/s", _input(6))
     assert err.value.type_name == "RuntimeError"
+    host_log = (tmp_path / "host.log").read_text()
+    assert "tests.hosted_backends:LifecycleBackend failed on /s (step 6)" in host_log, host_log
+    assert "Traceback" in host_log and "RuntimeError: engine died mid-eval" in host_log, "the host logs the traceback"
     with pytest.raises(BackendError, match="ValueError: model_path: no such checkpoint"):
         evaluate_hosted(host.socket, BACKEND, {"log": log, "mode": "bad_init"}, "/s", _input(8))
     boom = [e for e in read_lifecycle(log) if e["event"] in ("init", "dispose")]
