@@ -229,9 +229,7 @@ def evaluate_hosted(
     `silence_timeout_s` is `BackendHostUnavailable`."""
     req = EvaluateRequest(backend=backend, options=options or {}, checkpoint_dir=checkpoint_dir, input=eval_input)
     try:
-        # weight_version is computed from the step, not an input
-        body = req.model_dump_json(exclude={"input": {"weight_version"}})
-        headers = {"content-type": "application/json"}
+        body, headers = req.model_dump_json(), {"content-type": "application/json"}
         with (
             _client(socket_path, silence_timeout_s) as c,
             c.stream("POST", "/evaluate", content=body, headers=headers) as r,

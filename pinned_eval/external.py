@@ -76,6 +76,17 @@ class EvalInput(BaseModel):
     hf_dir: str = Field(min_length=1, description="The checkpoint directory (HF format).")
     suite: EvalSuite = Field(description="Datasets, sampling and rewards to measure.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_weight_version(cls, data: Any) -> Any:
+        """`weight_version` is derived from `step`, so a dump validates back; another value is refused."""
+        if isinstance(data, dict) and "weight_version" in data:
+            data = dict(data)
+            given = data.pop("weight_version")
+            if given != str(data.get("step")):
+                raise ValueError(f"weight_version: {given!r} is not str(step) for step {data.get('step')!r}")
+        return data
+
     @computed_field  # type: ignore[prop-decorator]
     @property
     def weight_version(self) -> str:

@@ -66,7 +66,8 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     warm_log = open(worker_dir / "warm-start.log", "w")  # noqa: SIM115 - closed at teardown
     warm = subprocess.Popen(server_command(sock), cwd=REPO, env=worker_env, stdout=warm_log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    host = subprocess.Popen(host_command(backend_sock), cwd=REPO, env=worker_env, stdout=warm_log,
+    host_log = open(worker_dir / "backend-host.log", "w")  # noqa: SIM115 - closed at teardown
+    host = subprocess.Popen(host_command(backend_sock), cwd=REPO, env=worker_env, stdout=host_log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     wait_listening(sock, warm)
     wait_host_ready(backend_sock)
@@ -96,6 +97,7 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
                 os.killpg(proc.pid, signal.SIGKILL)
         log.close()
         warm_log.close()
+        host_log.close()
 
 
 def runs_of_deployment(deployment_id: str, run: str) -> list[FlowRun]:
