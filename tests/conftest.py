@@ -8,7 +8,7 @@ import socket
 import pytest
 
 # fixture modules shared by test folders (registered here, not imported into test modules)
-pytest_plugins = ["tests.pointkit", "tests.deploykit"]
+pytest_plugins = ["tests.pointkit", "tests.deploykit", "tests.neighbour"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
