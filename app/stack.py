@@ -112,11 +112,11 @@ class LocalStack:
             if out.returncode != 0:
                 raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
 
-    def warm_socket(self) -> Path:
-        return self.home.resolve() / "warm.sock"
+    def warm_socket(self) -> Path:  # in a 0700 directory the companion creates (pinned_eval.local_socket)
+        return self.home.resolve() / "sockets" / "warm.sock"
 
     def backend_socket(self) -> Path:
-        return self.home.resolve() / "backends.sock"
+        return self.home.resolve() / "sockets" / "backends.sock"
 
     def worker_env(self, query_seconds: float = WORKER_QUERY_SECONDS) -> dict[str, str]:
         """The worker's environment: poll/prefetch interval, the warm-start socket and the backend

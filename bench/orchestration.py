@@ -133,7 +133,7 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
         label: _deploy(pool, f"bench-noop-{i}", triggered=label.startswith("event"))
         for i, (label, (pool, _)) in enumerate(PATHS.items())
     }
-    tmp = Path(tempfile.gettempdir())
+    tmp = Path(tempfile.mkdtemp(prefix="bench-worker-"))  # private (0700): the fork server's socket lives here
     sock = tmp / f"bench-worker-bench-pool-warm-{os.getpid()}.sock"
     with open(sock.with_suffix(".fork.log"), "w") as out:
         warm = subprocess.Popen(server_command(sock), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,

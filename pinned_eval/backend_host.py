@@ -4,8 +4,10 @@ Under the process worker every flow run is its own process, so a backend cached 
 (`tasks.external.BACKENDS`) would be built, and its server launched, once per point. The host
 holds one `BackendCache` for every flow run of its worker:
 
-- `python -m pinned_eval.backend_host --socket PATH` serves HTTP on a Unix socket (only this
-  machine's users with access to the file can reach it). `app.stack.LocalStack.worker_up` /
+- `python -m pinned_eval.backend_host --socket PATH` serves HTTP on a Unix socket that only the
+  worker's uid can use (`pinned_eval.local_socket`: a 0700 directory of its own, a 0600 socket,
+  and every connection's peer uid checked with SO_PEERCRED, another uid's closed and logged; a
+  stale socket is replaced, a live one refused). `app.stack.LocalStack.worker_up` /
   `pinned-eval worker` start it beside the worker and name it to flow runs in `HOST_ENV`;
   the stack stops it by PID (SIGTERM) with the worker.
 - `POST /evaluate` (`EvaluateRequest`) measures one checkpoint with the configuration's cached
@@ -17,8 +19,14 @@ holds one `BackendCache` for every flow run of its worker:
   threads, so the host keeps answering while a backend launches its server.
 - A client that goes away mid-evaluation (its point's deadline, a killed flow run) cancels the
   evaluation; the instance's state is then unknown, so it is disposed and dropped
-  (`BackendCache.evaluate`).
-- `GET /health` reports the host's PID and each cached configuration with its evaluation count.
+  (`BackendCache.evaluate`). A synchronous `evaluate_checkpoint` cannot be interrupted: the
+  configuration's lock stays held until the call really returns, then the instance is dropped,
+  so the next point never runs beside it (one version per backend).
+- Processes a backend starts through `pinned_eval.processes.start_process` get a parent-death
+  signal (`children_die_with_me`): a SIGKILLed host orphans no engine.
+- `GET /health` reports the host's PID, the points waiting for a configuration's lock, and each
+  cached configuration by class path and `backend_lock_name` (a digest), with its evaluation
+  count; never its options (they may hold keys).
 - At shutdown (SIGTERM/SIGINT) running evaluations are cancelled and every cached instance is
   disposed exactly once, then the socket is removed.
 
@@ -43,9 +51,11 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from pinned_eval.backends import BackendCache, backend_key
+from pinned_eval.backends import BackendCache, backend_key, backend_lock_name
 from pinned_eval.external import EvalInput, EvalResults
+from pinned_eval.local_socket import SocketInUse, UnsafeSocketDir, foreign_peer, listen_private
 from pinned_eval.polling import poll_until
+from pinned_eval.processes import children_die_with_me
 from pinned_eval.skips import EvalSkipped
 
 log = logging.getLogger(__name__)
@@ -88,18 +98,42 @@ class BackendHost:
         self.cache = BackendCache()
         self._locks: dict[str, asyncio.Lock] = {}
         self._running: set[asyncio.Task[EvalResults]] = set()
+        self.waiting = 0  # points waiting for their configuration's lock
 
     async def evaluate(self, req: EvaluateRequest) -> EvalResults:
         """Measure one point with the configuration's instance, one point per configuration at a time."""
         lock = self._locks.setdefault(backend_key(req.backend, req.options), asyncio.Lock())
-        async with lock:
+        self.waiting += 1
+        try:
+            await lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
             fn = await asyncio.to_thread(self.cache.get, req.backend, req.options)
             if inspect.iscoroutinefunction(fn.evaluate_checkpoint):
                 return await self.cache.evaluate(req.backend, req.options, req.checkpoint_dir, req.input)
-            # a synchronous backend blocks: run it in a thread with its own loop; it cannot be
-            # cancelled there, so a client that leaves gets no answer and the instance finishes its call
-            call = self.cache.evaluate(req.backend, req.options, req.checkpoint_dir, req.input)
-            return await asyncio.to_thread(asyncio.run, call)
+            return await self._evaluate_sync(req)
+        finally:
+            lock.release()
+
+    async def _evaluate_sync(self, req: EvaluateRequest) -> EvalResults:
+        """A synchronous backend blocks: run it in a thread with its own loop. That call cannot be
+        interrupted, so when the client leaves the caller's lock stays held until it returns; then
+        the instance is dropped (as a cancelled async one) and the cancellation goes on."""
+        call = self.cache.evaluate(req.backend, req.options, req.checkpoint_dir, req.input)
+        thread = asyncio.ensure_future(asyncio.to_thread(asyncio.run, call))
+        try:
+            return await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            log.warning("%s: the client left during a synchronous evaluation (step %d); holding the "
+                        "configuration until it returns", req.backend, req.input.step)  # fmt: skip
+            while not thread.done():
+                with contextlib.suppress(asyncio.CancelledError):  # a second cancel (shutdown) waits too
+                    await asyncio.wait([thread])
+            if not thread.cancelled():
+                thread.exception()  # retrieved: the outcome is moot, its client is gone
+            await asyncio.to_thread(self.cache.drop, req.backend, req.options)
+            raise
 
     async def stream(self, req: EvaluateRequest) -> AsyncIterator[bytes]:
         """NDJSON: heartbeats while the evaluation runs, then its outcome; cancels it if the client leaves."""
@@ -116,10 +150,12 @@ class BackendHost:
             task.cancel()  # no-op once done; else the client went away mid-evaluation
 
     def health(self) -> dict[str, Any]:
+        """PID, waiting points and cached configurations by class path and digest: no options (keys)."""
         return {
             "pid": os.getpid(),
+            "waiting": self.waiting,
             "backends": [
-                {"backend": e.backend, "options": e.options, "evaluations": e.evaluations}
+                {"backend": e.backend, "config": backend_lock_name(e.backend, e.options), "evaluations": e.evaluations}
                 for e in self.cache.entries()
             ],
         }
@@ -172,14 +208,32 @@ def create_app(host: BackendHost, socket_path: Path | None = None) -> Any:
     return app
 
 
+def _owner_only_http(socket_path: Path) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol that closes, at accept, every connection of another uid (SO_PEERCRED)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class OwnerOnlyH11(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if (refusal := foreign_peer(transport.get_extra_info("socket"), f"backend host {socket_path}")) is not None:
+                log.warning(refusal)
+                transport.close()
+
+    return OwnerOnlyH11
+
+
 def serve(socket_path: Path) -> None:
     """Serve until SIGTERM/SIGINT, then dispose every backend and remove the socket (the process
-    then ends by that signal, as uvicorn re-raises it)."""
+    then ends by that signal, as uvicorn re-raises it). `UnsafeSocketDir` / `SocketInUse` before
+    serving (see `pinned_eval.local_socket`)."""
     import uvicorn
 
-    socket_path.unlink(missing_ok=True)
+    listener = listen_private(socket_path)
+    children_die_with_me()
     app = create_app(BackendHost(), socket_path)
-    uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning", timeout_graceful_shutdown=5)).run()
+    config = uvicorn.Config(app, http=_owner_only_http(socket_path), ws="none", log_level="warning",
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    uvicorn.Server(config).run(sockets=[listener])
 
 
 # ---------------------------------------------------------------------------- client
@@ -259,7 +313,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--socket", type=Path, required=True, help="Unix socket to serve on.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(args.socket)
+    try:
+        serve(args.socket)
+    except (SocketInUse, UnsafeSocketDir) as exc:
+        sys.exit(f"backend host: {exc}")
 
 
 __all__ = [

@@ -10,11 +10,17 @@ Invariants:
   start time still matches (a reused PID is someone else's), or a group whose leader is gone
   (Linux never reuses a PID while a group of that id exists, so such a group is still ours).
 - Ports are picked by binding port 0 on 127.0.0.1; nothing binds another interface.
+- In a process that called `children_die_with_me()` (the backend host), every process started
+  here also gets a parent-death signal (SIGKILL, `PR_SET_PDEATHSIG`, set in the child before
+  exec): a SIGKILLed host orphans nothing. Linux sends it when the *thread* that started the
+  child ends, so launch from a thread that lives as long as the process (the host's executor
+  threads do). The CLI's long-lived daemons (server, worker) are started without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -66,6 +72,27 @@ class ProcessRecord(BaseModel):
         return self.spec.url
 
 
+_PR_SET_PDEATHSIG = 1
+_die_with_me = False
+_prctl: ctypes._NamedFuncPointer | None = None
+_parent_pid = 0
+
+
+def children_die_with_me() -> None:
+    """From now on, every process `start_process` starts is SIGKILLed when this process dies."""
+    global _die_with_me, _prctl, _parent_pid
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    _parent_pid, _die_with_me = os.getpid(), True
+
+
+def _set_parent_death_signal() -> None:
+    """In the forked child, before exec: a system call, then a check that the parent did not die
+    before it (the signal would never come)."""
+    assert _prctl is not None
+    if _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != _parent_pid:
+        os._exit(127)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +113,7 @@ def start_process(spec: ProcessSpec, log_path: Path) -> tuple[ProcessRecord, sub
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=spec.cwd,
+            preexec_fn=_set_parent_death_signal if _die_with_me else None,  # one syscall: thread-safe
         )
     try:
         created = psutil.Process(proc.pid).create_time()

@@ -1,9 +1,11 @@
 """A stand-in flow-run module for the warm-start protocol tests (`--module tests.warm_child`).
 
-argv: `report` prints cwd, argv and `WARM_PROBE` from its environment, and `input()` echoed; `exit N`
-exits N; `sleep` prints `ready` and sleeps until signalled (default SIGTERM disposition).
+argv: `report` prints cwd, argv and `PINNED_EVAL_PROBE` from its environment, and `input()` echoed; `exit N`
+exits N; `sleep` prints `ready` and sleeps until signalled (default SIGTERM disposition); `env K...`
+prints a JSON object of those keys' values in its environment (null where unset).
 """
 
+import json
 import os
 import sys
 import time
@@ -11,8 +13,11 @@ import time
 if __name__ == "__main__":
     command = sys.argv[1:]
     if command[0] == "report":
-        print(f"cwd={os.getcwd()} argv={command} probe={os.environ.get('WARM_PROBE')} stdin={input()}", flush=True)
+        probe = os.environ.get("PINNED_EVAL_PROBE")
+        print(f"cwd={os.getcwd()} argv={command} probe={probe} stdin={input()}", flush=True)
         print("to-stderr", file=sys.stderr, flush=True)
+    elif command[0] == "env":
+        print(json.dumps({key: os.environ.get(key) for key in command[1:]}), flush=True)
     elif command[0] == "exit":
         sys.exit(int(command[1]))
     elif command[0] == "sleep":

@@ -47,8 +47,11 @@ def send_request(sock: socket.socket, request: Request, fds: list[int]) -> None:
 
 
 def recv_request(sock: socket.socket) -> tuple[Request, list[int]]:
-    """Read one request and its descriptors; `ValueError` on a malformed or oversized one."""
+    """Read one request and its descriptors; `ValueError` on a malformed or oversized one, `EOFError`
+    when the peer closed without sending anything (a liveness probe)."""
     data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 3)
+    if not data and not fds:
+        raise EOFError("request: connection closed before a request")
     if len(data) < _HEADER.size:
         raise ValueError("request: truncated header")
     (size,) = _HEADER.unpack_from(data)

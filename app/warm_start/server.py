@@ -16,6 +16,12 @@ no thread and no event loop started, then for each connection of the thin client
   client was SIGKILLed) it SIGKILLs the flow-run process.
 
 The server reaps its handlers; it exits on SIGTERM/SIGINT and removes its socket.
+
+Local security (`pinned_eval.local_socket`): the socket lives in a 0700 directory of the worker's
+own, is mode 0600, and every connection's peer uid is checked (SO_PEERCRED) before anything is
+read: another uid's is closed and logged. A stale socket is replaced, a live one refused. The
+flow-run process takes from the client's environment only the per-run keys `ENV_ALLOWLIST` names
+(see `flow_run_env`); everything else, and every key that chooses code, is the server's own.
 """
 
 from __future__ import annotations
@@ -31,8 +37,35 @@ import threading
 from pathlib import Path
 
 from app.warm_start.client import Request, recv_request
+from pinned_eval.local_socket import SocketInUse, UnsafeSocketDir, foreign_peer, listen_private
 
 PRELOAD = ("prefect", "prefect.engine", "prefect.flow_engine", "flows.eval_point")
+
+# What a flow run takes from the client's (the worker's) environment: what varies per flow run.
+# The process worker passes its own environment plus Prefect's settings, `PREFECT__FLOW_RUN_ID`
+# and the attribution keys (`PREFECT__WORKER_*`, `PREFECT__FLOW_*`, `PREFECT__DEPLOYMENT_*`), and
+# the deployment's job-variable `env`: the Prefect and pinned-eval keys, and the locale. The fork
+# server was started from the worker's environment, so keys that select code or config files
+# (PATH, HOME, LD_*, PYTHON*, AWS_CONFIG_FILE, ...) are the server's own: whoever can set a job
+# variable or reach the socket cannot make the flow run (or the engines it starts) load other code.
+ENV_ALLOWLIST_PREFIXES = ("PREFECT_", "PINNED_EVAL_", "LC_")
+ENV_ALLOWLIST_KEYS = frozenset({"LANG", "LANGUAGE", "TZ", "TERM", "COLUMNS", "NO_COLOR"})
+# Prefect settings that load code or configuration files: never from the client.
+ENV_CODE_KEYS = frozenset(
+    {"PREFECT_EXTRA_ENTRYPOINTS", "PREFECT_LOGGING_SETTINGS_PATH", "PREFECT_HOME", "PREFECT_PROFILES_PATH"}
+)
+
+
+def _per_run(key: str) -> bool:
+    return (key in ENV_ALLOWLIST_KEYS or key.startswith(ENV_ALLOWLIST_PREFIXES)) and key not in ENV_CODE_KEYS
+
+
+def flow_run_env(server_env: dict[str, str], client_env: dict[str, str]) -> dict[str, str]:
+    """The flow run's environment: the server's own, with the per-run keys (`_per_run`) replaced by
+    the client's (a per-run key the client lacks is dropped, as a cold start would not have it)."""
+    env = {k: v for k, v in server_env.items() if not _per_run(k)}
+    env.update({k: v for k, v in client_env.items() if _per_run(k) and isinstance(v, str)})
+    return env
 
 
 def _preload() -> None:
@@ -47,10 +80,7 @@ def _preload() -> None:
 
 def serve(path: Path) -> Request | None:
     """Accept requests until SIGTERM/SIGINT (returns None); in a forked flow-run process, return its request."""
-    path.unlink(missing_ok=True)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(64)
+    listener = listen_private(path)
     stop: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, _f: stop.append(s))
@@ -63,6 +93,10 @@ def serve(path: Path) -> Request | None:
             if not select.select([listener], [], [], 1.0)[0]:
                 continue
             conn, _ = listener.accept()
+            if (refusal := foreign_peer(conn, f"warm start {path}")) is not None:
+                print(refusal, file=sys.stderr, flush=True)
+                conn.close()
+                continue
             if os.fork() == 0:  # handler; only the flow-run process returns from `_handle`
                 listener.close()
                 return _handle(conn)
@@ -79,6 +113,8 @@ def _handle(conn: socket.socket) -> Request:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         request, fds = recv_request(conn)
+    except EOFError:  # a probe (`wait_listening`): connected, sent nothing
+        os._exit(0)
     except (ValueError, OSError) as exc:
         print(f"warm start: bad request: {exc}", file=sys.stderr, flush=True)
         os._exit(1)
@@ -122,8 +158,9 @@ def _become_flow_run(request: Request, fds: list[int]) -> None:
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
     os.chdir(request["cwd"])
+    env = flow_run_env(dict(os.environ), request["env"])
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(env)
     sys.argv = ["", *request["argv"]]  # runpy sets argv[0]
     import prefect.context
     import prefect.logging.configuration
@@ -145,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", default="prefect.engine", help="module each child runs as __main__")
     args = parser.parse_args(argv)
     _preload()
-    if serve(args.socket) is None:
+    try:
+        request = serve(args.socket)
+    except (SocketInUse, UnsafeSocketDir) as exc:
+        print(f"warm start: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if request is None:
         return 0
     run_module(args.module)
     return 0

@@ -128,7 +128,8 @@ def test_skip_keeps_the_instance_a_crash_replaces_it(host: Host, tmp_path: Path)
     boom = [e for e in read_lifecycle(log) if e["event"] in ("init", "dispose")]
     assert [e["event"] for e in boom] == ["init", "init", "dispose"], "the crashed one disposed, the skipped kept"
     [kept] = host_health(host.socket)["backends"]
-    assert kept["options"]["mode"] == "quota" and kept["evaluations"] == 0
+    assert kept["config"] == backend_lock_name(BACKEND, {"log": log, "mode": "quota"}) and kept["evaluations"] == 0
+    assert set(kept) == {"backend", "config", "evaluations"}, "no options (they may hold keys)"
     # the next point of the crashed configuration builds a fresh instance
     with pytest.raises(BackendError):
         evaluate_hosted(host.socket, BACKEND, {"log": log, "mode": "boom"}, "/s", _input(9))
@@ -209,7 +210,8 @@ def test_deployed_points_share_one_backend_in_the_host(deployed: Deployed, tiny_
     pins = kinds[1:]
     assert all(pins[i][0] == "pin" and pins[i + 1] == ("evaluated", pins[i][1]) for i in range(0, len(pins), 2)), pins
     assert sorted(v for k, v in pins if k == "pin") == ["31", "32", "33"] and pins[-1] == ("evaluated", "33")
-    [entry] = [b for b in host_health(deployed.backend_socket)["backends"] if b["options"] == options]
+    config = backend_lock_name(BACKEND, options)
+    [entry] = [b for b in host_health(deployed.backend_socket)["backends"] if b["config"] == config]
     assert entry["evaluations"] == 3
     measured = {(r.step, r.weight_version) for r in JsonlSink(env.jsonl).read(env.run)}
     assert measured == {(31, "31"), (32, "32"), (33, "33")}

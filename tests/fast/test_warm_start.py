@@ -51,7 +51,7 @@ def client(args: list[str], env: dict[str, str], cwd: Path, **kw) -> subprocess.
 
 
 def test_client_passes_stdio_cwd_env_argv_and_exit_status(fork_server: Path, tmp_path: Path) -> None:
-    env = dict(os.environ, **{SOCKET_ENV: str(fork_server)}, WARM_PROBE="probe-1")
+    env = dict(os.environ, **{SOCKET_ENV: str(fork_server)}, PINNED_EVAL_PROBE="probe-1")
     out, err = client(["report", "x"], env, tmp_path).communicate("from-stdin\n", timeout=60)
     assert out.strip() == f"cwd={tmp_path} argv=['report', 'x'] probe=probe-1 stdin=from-stdin"
     assert err.strip() == "to-stderr"
