@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from pinned_eval.external import CheckpointEvalFn, DatasetResult, EvalInput, EvalResults, EvalSkip
+from pinned_eval.polling import poll_until
+from pinned_eval.processes import ProcessSpec, start_process, stop_process
 
 
 def read_lifecycle(path: str) -> list[dict[str, Any]]:
@@ -18,6 +22,12 @@ def read_lifecycle(path: str) -> list[dict[str, Any]]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _record(log: str, instance: object, event: str, version: str | None = None, **extra: object) -> None:
+    line = {"event": event, "pid": os.getpid(), "instance": id(instance), "version": version, "t": time.time(), **extra}
+    with open(log, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 class LifecycleBackend(CheckpointEvalFn):
@@ -33,9 +43,7 @@ class LifecycleBackend(CheckpointEvalFn):
         self._write("init")
 
     def _write(self, event: str, version: str | None = None) -> None:
-        line = {"event": event, "pid": os.getpid(), "instance": id(self), "version": version, "t": time.time()}
-        with open(self.log, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        _record(self.log, self, event, version)
 
     async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
         v = input.weight_version
@@ -50,14 +58,55 @@ class LifecycleBackend(CheckpointEvalFn):
         if self.mode == "boom":
             raise RuntimeError("engine died mid-eval")
         self._write("evaluated", v)
-        return EvalResults(
-            data={
-                ds.name: DatasetResult(
-                    rewards=[1.0] * 6, truncated=[False] * 6, weight_versions=[v] * 6, response_lens=[1] * 6
-                )
-                for ds in input.datasets
-            }
-        )
+        return _results(input, v)
 
     def dispose(self) -> None:
         self._write("dispose")
+
+
+def _results(input: EvalInput, version: str) -> EvalResults:
+    return EvalResults(
+        data={
+            ds.name: DatasetResult(
+                rewards=[1.0] * 6, truncated=[False] * 6, weight_versions=[version] * 6, response_lens=[1] * 6
+            )
+            for ds in input.datasets
+        }
+    )
+
+
+class GatedSyncBackend(CheckpointEvalFn):
+    """A synchronous backend (a blocking client library): `evaluate_checkpoint` records its pin,
+    then blocks until the file `<gate>/release-<version>` exists, records `evaluated` and returns."""
+
+    def __init__(self, log: str, gate: str) -> None:
+        self.log, self.gate = log, gate
+        _record(log, self, "init")
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:  # type: ignore[override]
+        v = input.weight_version
+        _record(self.log, self, "pin", v)
+        release = os.path.join(self.gate, f"release-{v}")
+        poll_until(lambda: os.path.exists(release), timeout_s=600, interval_s=0.05, what=release)
+        _record(self.log, self, "evaluated", v)
+        return _results(input, v)
+
+    def dispose(self) -> None:
+        _record(self.log, self, "dispose")
+
+
+class ChildLaunchingBackend(CheckpointEvalFn):
+    """Launches a long-running child process at construction, as a backend launches its server
+    (through `pinned_eval.processes.start_process`), and records its PID (event `init`, `child`)."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+        spec = ProcessSpec(role="engine", command=[sys.executable, "-c", "import time\nwhile True: time.sleep(60)"])
+        self.record, _ = start_process(spec, Path(log).with_suffix(".child.log"))
+        _record(log, self, "init", child=self.record.pid)
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> EvalResults:
+        return _results(input, input.weight_version)
+
+    def dispose(self) -> None:
+        stop_process(self.record)
