@@ -53,7 +53,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pinned_eval.backends import BackendCache, backend_key, backend_lock_name
 from pinned_eval.external import EvalInput, EvalResults
-from pinned_eval.local_socket import SocketInUse, UnsafeSocketDir, foreign_peer, listen_private
+from pinned_eval.local_socket import (
+    SocketInUse,
+    UnsafeSocketDir,
+    check_server_socket,
+    foreign_peer,
+    listen_private,
+)
 from pinned_eval.polling import poll_until
 from pinned_eval.processes import children_die_with_me
 from pinned_eval.skips import EvalSkipped
@@ -240,6 +246,9 @@ def serve(socket_path: Path) -> None:
 
 
 def _client(socket_path: str | Path, read_timeout_s: float) -> httpx.Client:
+    """A client of the host on `socket_path`; `UnsafeSocketDir` if that is not this uid's private socket
+    (a squatter would receive the request, backend options included)."""
+    check_server_socket(Path(socket_path))
     transport = httpx.HTTPTransport(uds=str(socket_path))
     return httpx.Client(transport=transport, base_url=_BASE_URL, timeout=httpx.Timeout(10.0, read=read_timeout_s))
 

@@ -13,6 +13,10 @@ worker's own uid may. Three layers, each enough on its own against another local
 - `foreign_peer(conn)`: the connecting process's uid from the kernel (SO_PEERCRED). Servers call
   it on every accepted connection and close any other uid's, logging the message (uid and pid),
   so loosened permissions (a chmod, an ACL) still let nobody else in.
+- Clients check the other way before they send anything (a request carries the worker's
+  environment, backend options): `check_server_socket(path)` (the socket is this uid's, in a
+  private directory, so nobody else can have put it there), or SO_PEERCRED after connecting
+  (the warm start's stdlib client). A squatted socket is refused, never talked to.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ def private_dir(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
+    _check_private_dir(path)
+    return path
+
+
+def _check_private_dir(path: Path) -> None:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeSocketDir(f"socket directory {path}: is a symlink; use a real directory of your own")
@@ -56,7 +65,18 @@ def private_dir(path: Path) -> Path:
         raise UnsafeSocketDir(
             f"socket directory {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others in; it must be 0700"
         )
-    return path
+
+
+def check_server_socket(path: Path) -> None:
+    """Before connecting: an existing `path` must be a socket of this uid in a private directory
+    (`UnsafeSocketDir` otherwise); a missing one is left to the connection error."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    _check_private_dir(path.parent)
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise UnsafeSocketDir(f"socket path {path}: not a socket of this uid {os.geteuid()} (uid {st.st_uid})")
 
 
 def _answers(path: Path) -> bool:
@@ -67,6 +87,8 @@ def _answers(path: Path) -> bool:
             probe.connect(str(path))
         except (ConnectionRefusedError, FileNotFoundError):
             return False
+        except TimeoutError:  # alive, its backlog full
+            return True
         return True
 
 
@@ -105,4 +127,12 @@ def foreign_peer(conn: _HasSockopt, what: str) -> str | None:
     return f"{what}: refused a connection from uid {uid} (pid {pid}); only uid {os.geteuid()} may connect"
 
 
-__all__ = ["SocketInUse", "UnsafeSocketDir", "foreign_peer", "listen_private", "peer_credentials", "private_dir"]
+__all__ = [
+    "SocketInUse",
+    "UnsafeSocketDir",
+    "check_server_socket",
+    "foreign_peer",
+    "listen_private",
+    "peer_credentials",
+    "private_dir",
+]

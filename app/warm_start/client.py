@@ -6,8 +6,9 @@ descriptors to the fork server on the Unix socket named by `PINNED_EVAL_WARM_SOC
 a child that runs the flow run as `python -m prefect.engine` would. The client forwards SIGTERM
 and SIGINT to that child and exits with its status (a signal death is re-raised, so the worker
 sees the same return code as for a cold process). If the client is SIGKILLed the server kills
-the child (it watches this connection). With no server listening it `exec`s
-`python -m prefect.engine` itself (cold start) and says so on stderr.
+the child (it watches this connection). With no server listening, or one of another uid (checked
+with SO_PEERCRED before anything is sent), it `exec`s `python -m prefect.engine` itself (cold
+start) and says so on stderr.
 
 Wire format. Client → server, once: a 4-byte big-endian length, then a JSON `Request` (argv,
 env, cwd); the first `sendmsg` carries stdin/stdout/stderr as SCM_RIGHTS descriptors.
@@ -101,6 +102,10 @@ def main() -> int:
     except OSError as exc:
         sock.close()
         _cold_start(f"no fork server at {path} ({exc.strerror or exc})")
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if uid != os.geteuid():  # someone else's socket: it would get our environment (API credentials)
+        sock.close()
+        _cold_start(f"the server at {path} runs as uid {uid}, not as this uid {os.geteuid()}")
     child: list[int] = []
     pending: list[int] = []
 

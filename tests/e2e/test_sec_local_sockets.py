@@ -10,15 +10,18 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from app.warm_start import server_command
-from pinned_eval.backend_host import host_command, host_health, wait_host_ready
+from app.warm_start import CLIENT, SOCKET_ENV, server_command
+from pinned_eval.backend_host import evaluate_hosted, host_command, host_health, wait_host_ready
+from pinned_eval.external import EvalInput
 from pinned_eval.polling import poll_until
-from tests.neighbour import Neighbour, run_as
+from tests.neighbour import SYSTEM_PYTHON, Neighbour, run_as
+from tests.pointkit import SMALL_SUITE
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -130,10 +133,12 @@ def test_the_peer_check_refuses_the_neighbour_when_permissions_are_loosened(
     assert attack.stdout.strip() == "closed", attack.stdout + attack.stderr
     refused = f"refused a connection from uid {neighbour.uid} "
     poll_until(lambda: refused in server.log.read_text(), timeout_s=30, what=f"{refused!r} in the server's log")
-    if kind == "backend-host":  # the owner still gets in
+    assert _accepts(sock), "the owner still gets in"
+    if kind == "backend-host":  # whose client refuses a loosened directory (UnsafeSocketDir) until it is private again
+        with pytest.raises(RuntimeError, match=f"socket directory {private}: mode 0755 lets group/others in"):
+            host_health(sock)
+        private.chmod(0o700)
         assert host_health(sock)["pid"] == server.proc.pid
-    else:
-        assert _accepts(sock)
 
 
 def _loose(d: Path, _who: Neighbour) -> None:
@@ -192,3 +197,72 @@ def test_a_stale_socket_is_replaced_a_live_one_refused(
     assert first.proc.poll() is None and _accepts(sock), "the live server keeps its socket"
     if kind == "backend-host":
         assert host_health(sock)["pid"] == first.proc.pid
+
+
+# the neighbour squats a socket path the worker's clients are configured with, and keeps what it receives
+SQUAT = r"""
+import os, socket, sys
+path, out = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(path)
+os.chmod(path, 0o777)
+s.listen(1)
+print("ready", flush=True)
+conn, _ = s.accept()
+conn.settimeout(30)
+data = b""
+try:
+    while chunk := conn.recv(65536):
+        data += chunk
+        if len(data) > 200:
+            break
+except OSError:
+    pass
+open(out, "wb").write(data)
+"""
+
+
+class Squatter:
+    def __init__(self, who: Neighbour, sock: Path) -> None:
+        self.out = sock.with_suffix(".got")
+        self.proc = subprocess.Popen([SYSTEM_PYTHON, "-c", SQUAT, str(sock), str(self.out)], user=who.uid,
+                                     group=who.gid, extra_groups=[], env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def received(self) -> bytes:
+        self.proc.wait(timeout=60)
+        return self.out.read_bytes() if self.out.exists() else b""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def test_the_warm_start_client_never_talks_to_a_squatted_socket(neighbour: Neighbour, shared_dir: Path) -> None:
+    sock = shared_dir / "warm.sock"
+    squatter = Squatter(neighbour, sock)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update({SOCKET_ENV: str(sock), "PREFECT_API_AUTH_STRING": "admin:the-secret"})
+        done = subprocess.run([sys.executable, "-S", str(CLIENT), "not-a-flow-run-id"], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        got = squatter.received()
+    finally:
+        squatter.stop()
+    assert got == b"", f"the squatter received {got[:80]!r}"
+    assert f"the server at {sock} runs as uid {neighbour.uid}" in done.stderr, done.stderr
+    assert "cold start (python -m prefect.engine)" in done.stderr
+
+
+def test_the_backend_host_client_never_talks_to_a_squatted_socket(neighbour: Neighbour, shared_dir: Path) -> None:
+    sock = shared_dir / "backends.sock"
+    squatter = Squatter(neighbour, sock)
+    inp = EvalInput(run="exp42", step=1, hf_dir="/s", suite=SMALL_SUITE)
+    try:  # `UnsafeSocketDir`, before anything is sent
+        with pytest.raises(RuntimeError, match=rf"socket directory {shared_dir}: mode 1777"):  # UnsafeSocketDir
+            evaluate_hosted(sock, "tests.hosted_backends:LifecycleBackend", {"api_key": "the-secret"}, "/s", inp)
+    finally:
+        squatter.stop()
+    assert not squatter.out.exists(), "the squatter was never connected to"
