@@ -14,6 +14,8 @@ of `BackendCache` (the process's cache is `tasks.external.BACKENDS`, or the back
 
 Callers hold `backend_lock_name(...)` (a global concurrency limit of 1, as fleet points hold
 `fleet-<name>`) around `evaluate`, so two points never pin one backend to different versions at once.
+A synchronous `evaluate_checkpoint` cannot be interrupted: a caller whose point was abandoned keeps
+its lock until the call returns, then drops the instance (`pinned_eval.backend_host`).
 """
 
 from __future__ import annotations

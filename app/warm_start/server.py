@@ -20,7 +20,7 @@ The server reaps its handlers; it exits on SIGTERM/SIGINT and removes its socket
 Local security (`pinned_eval.local_socket`): the socket lives in a 0700 directory of the worker's
 own, is mode 0600, and every connection's peer uid is checked (SO_PEERCRED) before anything is
 read: another uid's is closed and logged. A stale socket is replaced, a live one refused. The
-flow-run process takes from the client's environment only the per-run keys `ENV_ALLOWLIST` names
+flow-run process takes from the client's environment only the per-run keys `ENV_ALLOWLIST_*` name
 (see `flow_run_env`); everything else, and every key that chooses code, is the server's own.
 """
 
