@@ -52,6 +52,7 @@ from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind
 from pinned_eval.polling import PollTimeout, poll_until
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.sinks import JsonlSink
+from pinned_eval.snapshot.confined import UnsafeStagingRootError
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
 from trainer_integration.admission import AdmissionView
 from trainer_integration.admission_sync import AdmissionSync
@@ -71,7 +72,10 @@ log = logging.getLogger(__name__)
 
 Exporter = Callable[[int, str], object]
 # what `dispatch` turns into an `export_failed` record instead of raising into the training loop
-_INFRA_ERRORS: tuple[type[BaseException], ...] = (*EXPORT_ERRORS, ApiUnavailableError, httpx.HTTPError)
+# (an unsafe staging root, e.g. a symlink another user planted, is refused and skipped, not raised)
+_INFRA_ERRORS: tuple[type[BaseException], ...] = (
+    *EXPORT_ERRORS, ApiUnavailableError, httpx.HTTPError, UnsafeStagingRootError,
+)
 
 
 class GateLike(Protocol):

@@ -75,11 +75,19 @@ def _open_dir(name: str, dir_fd: int | None, shown: str) -> Iterator[int]:
 
 @contextlib.contextmanager
 def _open_root(root: str) -> Iterator[int]:
-    with _open_dir(root, None, root) as fd:
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # replaced since construction
+            raise UnsafeStagingRootError(f"staging root {root!r} refused: it is a symlink or not a directory") from None
+        raise
+    try:
         why = _why_unsafe(os.fstat(fd))
         if why is not None:
             raise UnsafeStagingRootError(f"staging root {root!r} refused: {why}")
         yield fd
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

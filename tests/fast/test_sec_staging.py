@@ -16,7 +16,9 @@ import pytest
 
 from pinned_eval.snapshot import confined
 from pinned_eval.snapshot.staging import Staging, StagingPathError, UnsafeStagingRootError
+from tests.conftest import free_port
 from tests.neighbour import Neighbour, run_as
+from trainer_integration.client import EvalClient
 
 SYMLINK = "import os, sys; os.symlink(sys.argv[1], sys.argv[2])"
 MKDIR = "import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o755)"
@@ -168,3 +170,29 @@ def test_sibling_prefix_of_a_local_root_is_refused(tmp_path: Path, sibling: str)
         with pytest.raises(StagingPathError, match="outside staging root"):
             op(str(evil))
     assert (evil / "keep.txt").read_text() == "not staging's"
+
+
+def test_trainer_export_into_a_root_a_neighbour_symlinked_is_skipped_not_written_or_raised(
+    neighbour: Neighbour, shared_dir: Path, tmp_path: Path
+) -> None:
+    """The trainer's staging root did not exist yet; the neighbour planted a symlink there to the
+    owner's checkpoints. The in-loop export must not write through it, and the loop goes on."""
+    ckpts = _owner_checkpoints(tmp_path)
+    before = _files(ckpts)
+    root = shared_dir / "staging"
+    assert run_as(neighbour, SYMLINK, str(ckpts), str(root)).returncode == 0
+    exported: list[int] = []
+
+    def export(step: int, dest: str) -> None:
+        exported.append(step)
+        Path(dest).mkdir(parents=True)
+        (Path(dest) / "model.safetensors").write_bytes(b"overwrites the owner's")
+
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    with EvalClient("exp1", dead, spool_dir=tmp_path / "spool", staging_root=root, exporter=export,
+                    startup_sync_s=5) as client:
+        result = client.dispatch(1)
+        [record] = client.spool.pending()
+    assert result.action == "skipped_export_failed" and exported == []
+    assert (record.kind, record.step) == ("skip_record", 1)
+    assert _files(ckpts) == before
