@@ -14,7 +14,9 @@ Contract:
 - entries are delivered strictly in sequence order; an entry is deleted only after its delivery
   succeeded (2xx); a transient failure (API unreachable, 5xx, 429) stops the pass and is retried
   with backoff, so nothing is reordered or lost; a permanent rejection (another 4xx) moves the
-  entry to `rejected/` with the reason, so one bad entry cannot block the rest;
+  entry to `rejected/` with the reason, so one bad entry cannot block the rest; an error of the
+  spool's own disk during a pass (a full disk while setting an entry aside) is retried with the
+  same backoff, never ends the delivery thread;
 - exactly once comes from the receiver: every entry carries an idempotency key (the event id,
   uuid5 of run and step, or a flow-run idempotency key), so a redelivery after a lost 2xx is one
   point on the server;
@@ -288,7 +290,12 @@ class Deliverer:
                 if not self._acquire_dir():
                     self._wake.wait(1.0)
                     continue
-                progressed = self.deliver_pending()
+                try:
+                    progressed = self.deliver_pending()
+                except OSError as exc:  # the spool's own disk (full, read-only): keep the thread, retry
+                    log.warning("pinned-eval: spool %s: delivery pass failed on the spool itself: %s",
+                                self.spool.dir, exc)
+                    progressed = False
                 with self._idle:
                     self._idle.notify_all()
                 if progressed:

@@ -13,8 +13,10 @@ import os
 from pathlib import Path
 
 from pinned_eval.points import SnapshotSource
+from pinned_eval.polling import poll_until
 from tests.conftest import free_port
 from trainer_integration.client import EvalClient
+from trainer_integration.spool import Deliverer, RejectedDeliveryError, Spool, SpoolEntry
 
 SOURCE = SnapshotSource(kind="hf", path="/ckpt/step_7", require_marker=False)
 
@@ -66,3 +68,33 @@ def test_full_disk_for_export_and_spool_never_reaches_the_training_loop(small_di
     assert result.reason is not None and "skip_record for step 5 not written: No space left on device" in result.reason
     assert not (small_disk / "stage" / "exp42" / "step_00000005").exists()  # the partial export removed
 
+
+
+def test_delivery_survives_a_full_spool_disk_while_setting_an_entry_aside(small_disk: Path) -> None:
+    """A permanent rejection must write the entry to `rejected/`: on a full disk that fails; the
+    delivery thread retries it and delivers the rest once space is back, in order."""
+    spool = Spool(small_disk / "spool")
+    for step in (1, 2):
+        spool.append(SpoolEntry(kind="event", run="exp1", step=step, key=f"k{step}", body={"pad": "x" * 2048}))
+    delivered: list[int] = []
+    refusals: list[int] = []
+
+    def deliver(entry: SpoolEntry) -> None:
+        if entry.step == 1:
+            refusals.append(1)
+            raise RejectedDeliveryError("HTTP 422: refused")
+        delivered.append(entry.step)
+
+    filler = _fill(small_disk)
+    deliverer = Deliverer(spool, deliver, backoff_s=(0.05, 0.2))
+    deliverer.start()
+    try:
+        # the rejected note cannot be written: the pass fails, and the thread lives to try again
+        poll_until(lambda: len(refusals) >= 3, timeout_s=30, interval_s=0.05, what="a third refusal of entry 1")
+        assert [e.step for e in spool.pending()] == [1, 2] and delivered == []
+        filler.unlink()
+        assert deliverer.flush(30)
+    finally:
+        deliverer.stop()
+    assert delivered == [2]
+    assert [(e.step, why) for e, why in spool.rejected()] == [(1, "HTTP 422: refused")]
