@@ -21,6 +21,9 @@ Staging sweep: a snapshot `<run>/step_<n>` that is not `.retired` is retired whe
 run of (run, step) is terminal, or when no flow run of it exists and it is older than
 `orphan_age_s` (a trainer's in-loop export whose request may still be spooled). Everything goes
 through `Staging.retire`, which is confined to the staging root; `hf` sources are never touched.
+A staging root refused as unsafe (a symlink, another user's, writable by others without the
+sticky bit: `UnsafeStagingRootError`) is swept not at all: the janitor logs it, lists it in
+`refused`, and goes on with the other roots; a stuck point on it is still crashed and recorded.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from pinned_eval.inflight import POINT_FLOW, TERMINAL
 from pinned_eval.points import SnapshotSource, flow_run_name
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import SkipReason
+from pinned_eval.snapshot.staging import StagingPathError
 from tasks.log import log_point, skip_rows
 
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
@@ -71,6 +75,7 @@ class JanitorReport(BaseModel):
     crashed: list[StuckPoint] = Field(default_factory=list, description="Points forced to Crashed.")
     retired: list[str] = Field(default_factory=list, description="Snapshots retired (entered the keep-ring).")
     kept_live: list[str] = Field(default_factory=list, description="Unretired snapshots of live points.")
+    refused: list[str] = Field(default_factory=list, description="Staging roots or paths refused as unsafe (why).")
 
 
 def last_activity(client: SyncPrefectClient, fr: FlowRun) -> datetime:
@@ -121,10 +126,13 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str]:
     retired: list[str] = []
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
     if source is not None and source.owned:
-        staging = cast(StagingBlock, StagingBlock.load(params.get("staging", "default"))).staging()
-        path = staging.path_for(point.run, point.step)
-        staging.retire(path, owned=True)
-        retired.append(path)
+        try:  # an unsafe root or path is refused; the point is still recorded as crashed
+            staging = cast(StagingBlock, StagingBlock.load(params.get("staging", "default"))).staging()
+            path = staging.path_for(point.run, point.step)
+            staging.retire(path, owned=True)
+            retired.append(path)
+        except StagingPathError as exc:
+            logger.error("janitor: snapshot of %s not retired: %s", point.name, exc)
     sinks = cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
     rows = skip_rows(point.run, point.step, SkipReason.CRASHED, message, failed=True)
     if sinks.jsonl_path:
@@ -139,8 +147,13 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str]:
 def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live: set[tuple[str, int]]) -> JanitorReport:
     """Retire unretired snapshots whose points are all terminal (or long orphaned)."""
     logger = get_run_logger()
-    staging = cast(StagingBlock, StagingBlock.load(staging_name)).staging()
     report = JanitorReport()
+    try:
+        staging = cast(StagingBlock, StagingBlock.load(staging_name)).staging()
+    except StagingPathError as exc:  # UnsafeStagingRootError: never swept
+        logger.error("janitor: staging %r not swept: %s", staging_name, exc)
+        report.refused.append(f"{staging_name}: {exc}")
+        return report
     now = datetime.now(UTC).timestamp()
     runs_cache: dict[str, dict[int, list[FlowRun]]] = {}
     with get_client(sync_client=True) as client:
@@ -209,5 +222,6 @@ def janitor(
         swept = sweep_staging(name, run, orphan_age_s, live)
         report.retired += swept.retired
         report.kept_live += swept.kept_live
+        report.refused += swept.refused
     logger.info("janitor: crashed %d point(s), retired %d snapshot(s)", len(report.crashed), len(report.retired))
     return report

@@ -27,7 +27,7 @@ from trainer_integration.admission import AdmissionView
 from trainer_integration.events import run_request_entry
 from trainer_integration.export_target import ExportTarget
 from trainer_integration.rest import ApiUnavailableError, PrefectRest
-from trainer_integration.spool import SpoolEntry
+from trainer_integration.spool import SpoolEntry, SpoolWriteError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class AdmissionSync:
                     failing_since = failing_since or now
                     level = logging.WARNING if now - failing_since > 60 else logging.DEBUG
                     log.log(level, "pinned-eval: admission state of %s not refreshed (%s)", self.run, exc)
+                except SpoolWriteError as exc:  # a fallback re-send not spooled (full disk): logged, thread lives on
+                    log.error("pinned-eval: fallback re-send for %s not spooled: %s", self.run, exc)
                 self._fetch_staging_block()
                 self._first.set()
                 busy = self.view.active() or failing_since is not None

@@ -22,7 +22,8 @@ Contract:
 - every request is written ahead to the durable spool and sent by a background thread (the run
   created directly on the deployment, the event as fallback: `trainer_integration.events`), so a
   non-waiting call costs the loop one fsync; `dispatch` never raises into training for storage or
-  API failures (logged, they become skip records); a programming or configuration error (a bad
+  API failures (logged, they become skip records; a spool that cannot be written, e.g. a full
+  disk, returns `skipped_spool_failed` with the reason); a programming or configuration error (a bad
   argument, no `staging_root` for an in-loop export) raises. A step already requested or
   recorded is not requested again.
 - `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
@@ -51,6 +52,7 @@ from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind
 from pinned_eval.polling import PollTimeout, poll_until
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.sinks import JsonlSink
+from pinned_eval.snapshot.confined import UnsafeStagingRootError
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
 from trainer_integration.admission import AdmissionView
 from trainer_integration.admission_sync import AdmissionSync
@@ -64,13 +66,16 @@ from trainer_integration.export_target import ExportTarget
 from trainer_integration.progress import ProgressPublisher
 from trainer_integration.rest import ApiUnavailableError, PointRun, PrefectRest, api_client
 from trainer_integration.results import DispatchResult, PointOutcome, point_outcome
-from trainer_integration.spool import Deliverer, Spool, SpoolEntry
+from trainer_integration.spool import Deliverer, Spool, SpoolEntry, SpoolWriteError
 
 log = logging.getLogger(__name__)
 
 Exporter = Callable[[int, str], object]
 # what `dispatch` turns into an `export_failed` record instead of raising into the training loop
-_INFRA_ERRORS: tuple[type[BaseException], ...] = (*EXPORT_ERRORS, ApiUnavailableError, httpx.HTTPError)
+# (an unsafe staging root, e.g. a symlink another user planted, is refused and skipped, not raised)
+_INFRA_ERRORS: tuple[type[BaseException], ...] = (
+    *EXPORT_ERRORS, ApiUnavailableError, httpx.HTTPError, UnsafeStagingRootError,
+)
 
 
 class GateLike(Protocol):
@@ -217,9 +222,16 @@ class EvalClient:
     ) -> DispatchResult:
         try:
             return self._dispatch(step, source, final, export or self.exporter, posture, t0)
+        except SpoolWriteError as exc:  # a full disk under the spool: nothing can be recorded, say why
+            log.error("pinned-eval: %s step %d skipped, its request not spooled: %s", self.run, step, exc)
+            return DispatchResult(step=step, action="skipped_spool_failed", in_flight=0, reason=str(exc)[:500],
+                                  stall_seconds=time.monotonic() - t0)
         except _INFRA_ERRORS:  # storage or API trouble; a bug or a bad configuration raises
             log.exception("pinned-eval: dispatch of %s step %d failed; recorded as export_failed", self.run, step)
-            self._record_skip(step, source, final, posture, "export_failed", "dispatch error (see trainer log)")
+            try:
+                self._record_skip(step, source, final, posture, "export_failed", "dispatch error (see trainer log)")
+            except SpoolWriteError as exc:
+                log.error("pinned-eval: export_failed record of %s step %d not spooled: %s", self.run, step, exc)
             return DispatchResult(
                 step=step, action="skipped_export_failed", in_flight=0, stall_seconds=time.monotonic() - t0
             )
@@ -263,8 +275,8 @@ class EvalClient:
                 else SnapshotSource(kind=SourceKind.STAGED, path=dest)
             )
         request = self._request(step, source, final, posture, export_time)
+        self._enqueue(event_entry(request, self.blocks))  # spooled first: a failed write sends nothing
         self.admission.sent(request)
-        self._enqueue(event_entry(request, self.blocks))
         return DispatchResult(
             action="requested", export_time_seconds=export_time, stall_seconds=time.monotonic() - t0, **common
         )

@@ -16,7 +16,7 @@ from pinned_eval.points import outcome_of as state_outcome
 from pinned_eval.points import reason_of
 from trainer_integration.rest import PointRun
 
-Action = Literal["requested", "exists", "not_due", "skipped_busy", "skipped_export_failed"]
+Action = Literal["requested", "exists", "not_due", "skipped_busy", "skipped_export_failed", "skipped_spool_failed"]
 OutcomeState = Literal["measured", "skipped", "failed", "crashed", "cancelled", "pending"]
 
 
@@ -30,6 +30,7 @@ class DispatchResult(BaseModel):
     export_time_seconds: float | None = None
     stall_seconds: float = Field(description="Wall time the call took, export included.")
     admitted_offline: bool = Field(default=False, description="API unreachable: admitted unchecked.")
+    reason: str | None = Field(default=None, description="Why a skipped point was skipped, where not in a record.")
 
 
 class PointOutcome(BaseModel):

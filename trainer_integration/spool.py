@@ -4,10 +4,19 @@ Contract:
 - `Spool.append(entry)` is the write-ahead step of every request: the entry is written to a temp
   file, fsync'd, renamed to `<seq:012d>.json` and the directory fsync'd before it returns, so an
   acknowledged entry survives a crash of the trainer or the host;
+- sequence numbers are taken, and the entry written, under an exclusive `flock` on `.seq.lock`
+  (the next number is one past both the `.seq` counter and every entry in the directory), so
+  any number of processes appending to one directory never reuse a number (nothing is
+  overwritten, nothing lost); a write that fails (a full disk) raises `SpoolWriteError` (an
+  `OSError`) and leaves no half-written entry;
+- an entry that does not parse, or is of a newer format (`version` above `SPOOL_VERSION`), is
+  moved to `quarantine/` (with a `.why` beside it) and logged; reading and delivery go on;
 - entries are delivered strictly in sequence order; an entry is deleted only after its delivery
   succeeded (2xx); a transient failure (API unreachable, 5xx, 429) stops the pass and is retried
   with backoff, so nothing is reordered or lost; a permanent rejection (another 4xx) moves the
-  entry to `rejected/` with the reason, so one bad entry cannot block the rest;
+  entry to `rejected/` with the reason, so one bad entry cannot block the rest; an error of the
+  spool's own disk during a pass (a full disk while setting an entry aside) is retried with the
+  same backoff, never ends the delivery thread;
 - exactly once comes from the receiver: every entry carries an idempotency key (the event id,
   uuid5 of run and step, or a flow-run idempotency key), so a redelivery after a lost 2xx is one
   point on the server;
@@ -18,6 +27,7 @@ No Prefect import.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -25,13 +35,15 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
+SPOOL_VERSION: Literal[1] = 1
+QUARANTINE = "quarantine"
 
 
 class SpoolEntry(BaseModel):
@@ -39,12 +51,34 @@ class SpoolEntry(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    version: Literal[1] = Field(default=SPOOL_VERSION, description="Entry format; a newer one is quarantined.")
     kind: Literal["event", "skip_record", "run_request"]
     run: str
     step: int = Field(ge=0)
     key: str = Field(min_length=1, description="Idempotency key on the receiver.")
     body: dict[str, Any]
     seq: int | None = Field(default=None, description="Spool sequence number once appended.")
+
+
+class UnsupportedEntryError(Exception):
+    """A spool entry written in a format newer than this reader's."""
+
+
+class SpoolWriteError(OSError):
+    """An entry could not be written (a full disk, a read-only spool): the request was not spooled."""
+
+
+def _seq_of(path: Path) -> int:
+    stem = path.name.split(".", 1)[0]
+    return int(stem) if stem.isdigit() else 0
+
+
+def _parse(raw: bytes) -> SpoolEntry:
+    data = json.loads(raw)  # ValueError (JSONDecodeError, UnicodeDecodeError) when corrupt
+    version = data.get("version", 1) if isinstance(data, dict) else 1
+    if isinstance(version, int) and version > SPOOL_VERSION:
+        raise UnsupportedEntryError(f"format version {version} is newer than this reader's {SPOOL_VERSION}")
+    return SpoolEntry.model_validate(data)
 
 
 class TransientDeliveryError(RuntimeError):
@@ -70,32 +104,92 @@ class Spool:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "rejected").mkdir(exist_ok=True)
+        (self.dir / QUARANTINE).mkdir(exist_ok=True)
         self._lock = threading.Lock()
-        self._next = max((e.seq or 0 for e in self.pending()), default=0) + 1
+        self._seq_file: Any = None
 
     def append(self, entry: SpoolEntry) -> SpoolEntry:
         """Durably append `entry`; returns it with its sequence number."""
-        with self._lock:
-            seq = self._next
-            self._next += 1
-            stored = entry.model_copy(update={"seq": seq})
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                f.write(stored.model_dump_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / f"{seq:012d}.json")
-            _fsync_dir(self.dir)
-            return stored
+        tmp: str | None = None
+        try:
+            with self._lock, self._seq_lock():
+                seq = self._take_seq()
+                stored = entry.model_copy(update={"seq": seq})
+                fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
+                with os.fdopen(fd, "w") as f:
+                    f.write(stored.model_dump_json())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.dir / f"{seq:012d}.json")
+                tmp = None
+                _fsync_dir(self.dir)
+                return stored
+        except OSError as exc:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            raise SpoolWriteError(exc.errno, f"spool {self.dir}: {entry.kind} for step {entry.step} not written: "
+                                  f"{exc.strerror or exc}") from exc
+
+    @contextlib.contextmanager
+    def _seq_lock(self) -> Iterator[None]:
+        """Exclusive across processes (flock) and, with `self._lock`, across this process's threads."""
+        if self._seq_file is None:
+            self._seq_file = open(self.dir / ".seq.lock", "a")  # noqa: SIM115 - held for the spool's life
+        fcntl.flock(self._seq_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._seq_file, fcntl.LOCK_UN)
+
+    def _take_seq(self) -> int:
+        """Under the lock: one past the counter and every entry here; the counter records it."""
+        counter = self.dir / ".seq"
+        try:
+            last = int(counter.read_text())
+        except (FileNotFoundError, ValueError):  # first use, or a counter lost in a crash
+            last = max((_seq_of(p) for d in (self.dir / "rejected", self.dir / QUARANTINE) for p in d.glob("*.json")),
+                       default=0)
+        seq = max([last, *(_seq_of(p) for p in self.dir.glob("[0-9]*.json"))]) + 1
+        tmp = self.dir / ".seq.tmp"
+        tmp.write_text(str(seq))
+        os.replace(tmp, counter)  # made durable by the directory fsync after the entry's rename
+        return seq
 
     def pending(self) -> list[SpoolEntry]:
+        """Every readable entry, oldest first; unreadable or newer-format ones are quarantined."""
         entries = []
         for path in sorted(self.dir.glob("[0-9]*.json")):
             try:
-                entries.append(SpoolEntry.model_validate_json(path.read_text()))
+                raw = path.read_bytes()
             except FileNotFoundError:  # delivered and removed by the deliverer meanwhile
                 continue
+            try:
+                entries.append(_parse(raw))
+            except (ValueError, RecursionError, UnsupportedEntryError) as exc:  # ValidationError is a ValueError
+                self._quarantine(path, f"{type(exc).__name__}: {exc}")
         return entries
+
+    def _quarantine(self, path: Path, why: str) -> None:
+        dest = self.dir / QUARANTINE / path.name
+        try:
+            os.replace(path, dest)
+        except FileNotFoundError:  # another reader quarantined it first
+            return
+        log.error("pinned-eval: spool entry %s quarantined to %s: %s", path.name, dest, why[:500])
+        try:
+            dest.with_name(path.name + ".why").write_text(why)
+            _fsync_dir(self.dir)
+        except OSError as exc:  # the entry is aside already; only the note is missing
+            log.warning("pinned-eval: quarantine note for %s not written: %s", path.name, exc)
+
+    def quarantined(self) -> list[tuple[str, str]]:
+        """(file name, why) of every entry set aside as unreadable."""
+        out = []
+        for path in sorted((self.dir / QUARANTINE).glob("*.json")):
+            note = path.with_name(path.name + ".why")
+            out.append((path.name, note.read_text() if note.exists() else ""))
+        return out
 
     def remove(self, entry: SpoolEntry) -> None:
         (self.dir / f"{entry.seq:012d}.json").unlink(missing_ok=True)
@@ -125,7 +219,9 @@ class Deliverer:
 
     `deliver(entry)` returns on success, raises `TransientDeliveryError` to retry later or
     `RejectedDeliveryError` to set the entry aside. `kick()` wakes it after an append;
-    `flush(timeout)` waits until the spool is empty.
+    `flush(timeout)` waits until the spool is empty. After a transient failure it waits
+    `backoff_s[0]`, doubling per failed pass up to exactly `backoff_s[1]` (the cap), and starts
+    again from `backoff_s[0]` after a pass that left nothing pending.
     """
 
     def __init__(
@@ -136,6 +232,8 @@ class Deliverer:
         on_delivered: OnDelivered | None = None,
         backoff_s: tuple[float, float] = (0.2, 5.0),
     ) -> None:
+        if not 0 < backoff_s[0] <= backoff_s[1]:
+            raise ValueError(f"backoff_s: need 0 < first <= cap, got {backoff_s}")
         self.spool = spool
         self._deliver = deliver
         self._on_delivered = on_delivered
@@ -192,7 +290,12 @@ class Deliverer:
                 if not self._acquire_dir():
                     self._wake.wait(1.0)
                     continue
-                progressed = self.deliver_pending()
+                try:
+                    progressed = self.deliver_pending()
+                except OSError as exc:  # the spool's own disk (full, read-only): keep the thread, retry
+                    log.warning("pinned-eval: spool %s: delivery pass failed on the spool itself: %s",
+                                self.spool.dir, exc)
+                    progressed = False
                 with self._idle:
                     self._idle.notify_all()
                 if progressed:

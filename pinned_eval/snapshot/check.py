@@ -6,7 +6,8 @@
 2. the index exists and parses (`missing_index`, `bad_index`); a snapshot with a single
    `model.safetensors` and no index is read as one shard;
 3. every shard named by the index exists (`missing_shard`); its 8-byte length and JSON header
-   parse and describe contiguous tensors (`bad_header`); file size == 8 + header + data end
+   parse and describe contiguous tensors, and `__metadata__` maps keys to strings only, as
+   safetensors' loaders require (`bad_header`, naming the key); file size == 8 + header + data end
    (`truncated_shard` when shorter, `shard_size_mismatch` when longer); the header's tensor names
    equal the index names mapped to that shard (`header_mismatch`);
 4. the sum of tensor bytes equals `metadata.total_size` (`total_size_mismatch`);
@@ -109,9 +110,14 @@ def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
         raise bad(f"header is not JSON ({e})") from None
     if not isinstance(hdr, dict):
         raise bad("header is not a JSON object")
-    meta = hdr.pop("__metadata__", None) or {}
+    meta = hdr.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
     if not isinstance(meta, dict):
-        raise bad("__metadata__ is not an object")
+        raise bad(f"__metadata__ is not an object (a {type(meta).__name__})")
+    for key, value in meta.items():  # safetensors' own loaders refuse anything but strings here
+        if not isinstance(value, str):
+            raise bad(f"__metadata__ key {key!r}: value is a {type(value).__name__}, not a string")
     if meta.get("format", "pt") != "pt":  # transformers loads only PyTorch-format safetensors
         raise bad(f"__metadata__ format {meta.get('format')!r} is not 'pt'")
     spans: list[tuple[int, int, str]] = []

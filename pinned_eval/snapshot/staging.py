@@ -1,10 +1,15 @@
 """Staging: where owned snapshots live (a local root or `s3://bucket/prefix`), one fsspec code path.
 
 Layout: `<root>/<run>/step_<step:08d>/` holds one snapshot. Invariants:
+- a local root must be a real directory of this user (or root), not writable by others without
+  the sticky bit (`confined.check_root`): a symlink planted at the root, or another user's root,
+  raises `UnsafeStagingRootError` at construction and again at every delete;
 - `delete` (and every delete made by `retire`/`put`) is confined to strictly below `root`: a path
   with a `..` segment, a symlink, a local path resolving outside the root, another bucket or
   another prefix raises `StagingPathError` before anything is deleted; the marker goes first so
-  readers stop trusting a snapshot that is being removed;
+  readers stop trusting a snapshot that is being removed; local deletes (and the `.retired`
+  mark) go through directory descriptors opened without following symlinks
+  (`confined.remove_below`), so a symlink swapped in after the check cannot lead out of the root;
 - `put` uploads marker-last and refuses an incomplete source (to S3 with a sliding window of
   parts in flight, `s3_upload`);
 - `retire(path, owned=False)` never deletes anything (e.g. an `hf` source the trainer owns);
@@ -36,15 +41,14 @@ from pinned_eval.points import RUN_PATTERN
 from pinned_eval.settings import get_settings
 from pinned_eval.snapshot import s3_upload
 from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
+from pinned_eval.snapshot.confined import StagingPathError as StagingPathError
+from pinned_eval.snapshot.confined import UnsafeStagingRootError as UnsafeStagingRootError
+from pinned_eval.snapshot.confined import check_root, remove_below, write_below
 from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, is_s3, join, resolve, to_url
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _RUN = re.compile(RUN_PATTERN)
-
-
-class StagingPathError(ValueError):
-    """A path given to staging lies outside its root (or is not a snapshot path of it)."""
 
 
 class SnapshotIncompleteError(ExportError, RuntimeError):
@@ -90,6 +94,7 @@ class Staging:
         self.fs, root_path = resolve(root, self.storage_options)
         self.local = is_local(self.fs)
         if self.local:
+            check_root(os.path.abspath(root_path))
             root_path = os.path.realpath(root_path)
         elif not root_path.strip("/"):
             raise StagingPathError(f"staging root {root!r} names no bucket")
@@ -132,6 +137,10 @@ class Staging:
         if not fs_path.startswith(self.root_path + "/"):
             raise StagingPathError(f"{path!r} is outside staging root {self.root}")
         return fs_path
+
+    def _below(self, fs_path: str) -> builtins.list[str]:
+        """The components of a confined local path below the root."""
+        return fs_path[len(self.root_path) + 1 :].split(os.sep)
 
     def _run_step(self, fs_path: str) -> tuple[str, int]:
         rel = fs_path[len(self.root_path) + 1 :].replace(os.sep, "/")
@@ -208,6 +217,9 @@ class Staging:
     def delete(self, path: str) -> None:
         """Delete one snapshot strictly below the root: marker first, then everything else."""
         fs_path = self._confine(path)
+        if self.local:  # through directory descriptors, never following a symlink
+            remove_below(self.root_path, self._below(fs_path), first=MARKER)
+            return
         # Two points of one run may retire at once and race to delete the same old snapshot.
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(join(self.fs, fs_path, MARKER))
@@ -223,8 +235,10 @@ class Staging:
         if self.keep_snapshots == 0:
             self.delete(path)
             return RetireResult(path, owned=True, deleted=[path], kept=[])
-        if self.fs.exists(fs_path):  # a failed export may have left nothing to keep
-            stamp = datetime.now(UTC).isoformat().encode()
+        stamp = datetime.now(UTC).isoformat().encode()
+        if self.local:  # a failed export may have left nothing to keep
+            write_below(self.root_path, self._below(fs_path), RETIRED, stamp)
+        elif self.fs.exists(fs_path):
             self.fs.pipe_file(join(self.fs, fs_path, RETIRED), stamp)
         ring = sorted((s for s in self.list(run) if s.retired), key=lambda s: s.step, reverse=True)
         kept, deleted = ring[: self.keep_snapshots], ring[self.keep_snapshots :]
