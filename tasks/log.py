@@ -4,11 +4,14 @@ Contract: a measured point writes one row per dataset, a skipped/failed point on
 with `eval/skipped_<reason>: 1`; every row is at the point's step.
 
 Nothing is lost to a sink: the JSONL file is written first and is the record (its own failure
-fails the task). W&B and the artifacts come after it, each retried (`SINK_ATTEMPTS`, exponential
-backoff); a sink that still fails does not change the point's outcome: `log_point` returns
-{sink: error}, logs a WARNING naming the sink and the error, and rewrites the point's JSONL rows
-with `sink_errors` and `eval/sink_failed_<sink>: 1`; the flow adds `sink_note(...)` to the run's
-state message. Only `Exception`s are caught (a cancellation or deadline still unwinds).
+fails the task). W&B and the artifacts come after it, each retried (`attempt_sink`:
+`SINK_ATTEMPTS`, exponential backoff); a sink that still fails does not change the point's
+outcome: `log_point` returns {sink: error}, logs a WARNING naming the sink and the error, and
+rewrites the point's JSONL rows with `sink_errors` and `eval/sink_failed_<sink>: 1`; the flow adds
+`sink_note(...)` to the run's state message. The per-sample artifact (`samples`, written by the
+score task before this one) follows the same rule: the score task logs its error and marks the
+rows `eval/sink_failed_samples: 1`, which `log_point` reports with the others. Only `Exception`s
+are caught (a cancellation or deadline still unwinds).
 A W&B retry after a partial write may log the same row twice (same `eval/step`, same values).
 
 Artifacts: a table per point (`eval-<run>-step-<step>`) and the run's history table `eval-<run>`
@@ -91,7 +94,8 @@ def _update_history(run: str, rows: list[MetricRow], jsonl_path: str | None) -> 
 
 
 SINK_ATTEMPTS = 3  # per sink after the JSONL file; waits 0.5 s, 1 s between attempts
-SinkName = str  # "wandb" | "artifacts"
+SinkName = str  # "wandb" | "artifacts" | "samples"
+SINK_FAILED = "eval/sink_failed_"
 
 
 @task(cache_policy=NO_CACHE, task_run_name="log-{run}-{step}")
@@ -105,14 +109,17 @@ def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> 
         jsonl.write_point(rows)
         for problem in jsonl.bad_lines:
             logger.warning("JSONL sink: %s; kept as is, other rows unaffected", problem)
-    errors: dict[SinkName, str] = {}
+    attempts: dict[SinkName, str | None] = {}
     if sinks.wandb_project and sinks.wandb_mode != "disabled":
         project = sinks.wandb_project
-        _attempt(errors, "wandb", lambda: _log_wandb(run, step, rows, sinks, project))
-    _attempt(errors, "artifacts", lambda: _log_artifacts(run, step, rows, sinks.jsonl_path))
+        attempts["wandb"] = attempt_sink(lambda: _log_wandb(run, step, rows, sinks, project))
+    attempts["artifacts"] = attempt_sink(lambda: _log_artifacts(run, step, rows, sinks.jsonl_path))
+    errors = {sink: error for sink, error in attempts.items() if error}
     for sink, error in errors.items():
         logger.warning("sink %s failed for %s/step-%d after %d attempts; the point keeps its outcome: %s",
                        sink, run, step, SINK_ATTEMPTS, error)
+    if any(f"{SINK_FAILED}samples" in r.metrics for r in rows):  # already logged by the score task
+        errors["samples"] = "per-sample artifact not written (the score task's WARNING log has the error)"
     if errors and jsonl is not None:
         jsonl.write_point([_with_sink_errors(r, errors) for r in rows])
     logger.info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
@@ -126,8 +133,8 @@ def sink_note(errors: dict[SinkName, str]) -> str:
     return "; sink failed: " + "; ".join(f"{sink} ({error[:200]})" for sink, error in sorted(errors.items()))
 
 
-def _attempt(errors: dict[SinkName, str], sink: SinkName, write: Callable[[], None]) -> None:
-    """Run `write` up to `SINK_ATTEMPTS` times; its last error is recorded under `sink`."""
+def attempt_sink(write: Callable[[], None]) -> str | None:
+    """Run `write` up to `SINK_ATTEMPTS` times: None once it succeeds, else its last error."""
     retrying = Retrying(
         stop=stop_after_attempt(SINK_ATTEMPTS),
         wait=wait_exponential(multiplier=0.5, max=4.0),
@@ -139,11 +146,12 @@ def _attempt(errors: dict[SinkName, str], sink: SinkName, write: Callable[[], No
             with attempt:
                 write()
     except Exception as exc:  # recorded beside the point (JSONL, log, state message), never dropped
-        errors[sink] = f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _with_sink_errors(row: MetricRow, errors: dict[SinkName, str]) -> MetricRow:
-    failed = {f"eval/sink_failed_{sink}": 1.0 for sink in errors}
+    failed = {f"{SINK_FAILED}{sink}": 1.0 for sink in errors}
     return row.model_copy(update={"sink_errors": dict(errors), "metrics": {**row.metrics, **failed}})
 
 
