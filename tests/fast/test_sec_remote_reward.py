@@ -4,10 +4,7 @@ like a careless service, echoes the header it got into its error bodies."""
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from pydantic import ValidationError
@@ -16,65 +13,33 @@ from blocks import EvalSuiteBlock
 from pinned_eval.scoring.remote import RemoteRewardConfig, RemoteRewardError, RewardItem, score_responses
 from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.skips import EvalSkipped, SkipReason
+from tests.bearer_judge import BearerJudge
 
 TOKEN = "rm-tok-5f1c9e0d7b2a4c68"
 ITEMS = [RewardItem("1+1=", "2", "2"), RewardItem("2+2=", "5", "4")]
 
 
-class _Judge(ThreadingHTTPServer):
-    daemon_threads = True
-    seen: list[str | None]
-    echo_ok: bool  # answer 200 with a body that is not a reward, echoing the header
-
-
 @pytest.fixture
-def judge() -> Iterator[_Judge]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            sample = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            auth = self.headers.get("Authorization")
-            server.seen.append(auth)
-            if server.echo_ok:
-                status, body = 200, json.dumps({"echo": auth}).encode()
-            elif auth != f"Bearer {TOKEN}":
-                status, body = 401, f"bad credentials: {auth!r}".encode()
-            else:
-                status, body = 200, json.dumps(float(sample["response"] == sample["label"])).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = _Judge(("127.0.0.1", 0), Handler)
-    server.seen, server.echo_ok = [], False
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+def judge() -> Iterator[BearerJudge]:
+    server = BearerJudge(TOKEN)
     try:
         yield server
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
-def _url(judge: _Judge) -> str:
-    return f"http://127.0.0.1:{judge.server_address[1]}/score"
-
-
-async def test_token_is_sent_as_a_bearer_header(judge: _Judge) -> None:
-    config = RemoteRewardConfig(url=_url(judge), token=TOKEN, backoff_s=0)  # type: ignore[arg-type]
+async def test_token_is_sent_as_a_bearer_header(judge: BearerJudge) -> None:
+    config = RemoteRewardConfig(url=judge.url, token=TOKEN, backoff_s=0)  # type: ignore[arg-type]
     assert await score_responses("remote_rm", ITEMS, config) == [1.0, 0.0]
     assert judge.seen == [f"Bearer {TOKEN}"] * 2
     assert TOKEN not in repr(config) and TOKEN not in config.model_dump_json()
 
 
 @pytest.mark.parametrize("echo_ok", [False, True], ids=["401-echoing-the-header", "200-not-a-reward-echoing-it"])
-async def test_reward_errors_and_skip_messages_never_print_the_token(judge: _Judge, echo_ok: bool) -> None:
+async def test_reward_errors_and_skip_messages_never_print_the_token(judge: BearerJudge, echo_ok: bool) -> None:
     judge.echo_ok = echo_ok
     wrong = "rm-wrong-0a9b8c7d6e5f" if not echo_ok else TOKEN
-    config = RemoteRewardConfig(url=_url(judge), token=wrong, backoff_s=0)  # type: ignore[arg-type]
+    config = RemoteRewardConfig(url=judge.url, token=wrong, backoff_s=0)  # type: ignore[arg-type]
     with pytest.raises(EvalSkipped) as info, fleet_skips("dataset 'judged'"):
         await score_responses("remote_rm", ITEMS[:1], config)
     assert judge.seen == [f"Bearer {wrong}"], "the service did get (and echo) the secret"
