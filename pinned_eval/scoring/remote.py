@@ -12,9 +12,9 @@ Remote reward contract (`RemoteReward`):
   turned into a score: the eval point records `eval/skipped_reward_unavailable`.
 
 Credentials: `token` (a `SecretStr`, a secret field of the suite block that holds the config) is
-sent as `Authorization: Bearer <token>` on every request. A URL carrying credentials (user info,
-or a token-like query parameter such as `token`, `api_key`, `sig`) is refused at validation,
-naming `url`, and validation errors never echo the input. Every error text (the service's
+sent as `Authorization: Bearer <token>` on every request. A URL that may carry credentials (user
+info, a token-like query parameter such as `token`, `api_key`, `sig`, or a fragment) is refused
+at validation, naming `url`, and validation errors never echo it (the URL is masked first). Every error text (the service's
 answer included) has the token replaced by `***`, so reward errors, skip messages and logs never
 print it. JSON dumps mask it, except with the context `{"include_secrets": True}` (Prefect's
 block save, or a trusted hop such as the backend host's socket).
@@ -94,6 +94,8 @@ class RemoteRewardConfig(BaseModel):
         for name, _ in url.query_params():
             if _secret_param(name):
                 raise ValueError(f"query parameter {name!r} looks like a credential; put the token in `token`")
+        if url.fragment:  # never sent, only printed (e.g. `#access_token=...`)
+            raise ValueError("a fragment is refused (it is never sent; credentials go in `token`)")
         return url
 
     @field_serializer("token", when_used="json")
@@ -109,7 +111,7 @@ def _secret_param(name: str) -> bool:
 
 
 def _redacted(url: str) -> str:
-    """`url` with its user info and token-like query values replaced by `***` (else unchanged)."""
+    """`url` with its user info, token-like query values and fragment replaced by `***`."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
@@ -119,9 +121,10 @@ def _redacted(url: str) -> str:
         masked = urlencode([(k, "***" if _secret_param(k) else v) for k, v in query], safe="*")
     else:
         masked = parts.query
-    if (netloc, masked) == (parts.netloc, parts.query):
+    fragment = "***" if parts.fragment else ""
+    if (netloc, masked, fragment) == (parts.netloc, parts.query, parts.fragment):
         return url
-    return urlunsplit(parts._replace(netloc=netloc, query=masked))
+    return urlunsplit(parts._replace(netloc=netloc, query=masked, fragment=fragment))
 
 
 @dataclass(frozen=True, slots=True)

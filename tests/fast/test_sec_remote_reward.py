@@ -59,6 +59,7 @@ async def test_reward_errors_and_skip_messages_never_print_the_token(judge: Bear
         ("http://127.0.0.1:9/score?model=m&api_key={s}", "query parameter 'api_key' looks like a credential"),
         ("https://127.0.0.1:9/score?X-Amz-Signature={s}", "query parameter 'X-Amz-Signature' looks like a credential"),
         ("https://127.0.0.1:9/score?access-token={s}", "query parameter 'access-token' looks like a credential"),
+        ("https://127.0.0.1:9/score#access_token={s}", "a fragment is refused"),
     ],
 )
 def test_credentials_in_the_url_are_refused_naming_the_field_without_echoing_them(url: str, problem: str) -> None:
