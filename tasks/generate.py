@@ -15,6 +15,7 @@ effort: when the artifacts API fails, a WARNING is logged and progress stops (th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, cast
 from uuid import UUID
 
@@ -58,7 +59,7 @@ class _Progress:
     def _create(self, description: str) -> None:
         self.artifact_id = cast(UUID, create_progress_artifact(0.0, description=description))
 
-    def _best_effort(self, call: Any) -> None:
+    def _best_effort(self, call: Callable[[], object]) -> None:
         try:
             call()
         except Exception as exc:  # a UI nicety: never fails the point; logged, then progress stops

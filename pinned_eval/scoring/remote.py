@@ -14,10 +14,11 @@ Remote reward contract (`RemoteReward`):
 Credentials: `token` (a `SecretStr`, a secret field of the suite block that holds the config) is
 sent as `Authorization: Bearer <token>` on every request. A URL that may carry credentials (user
 info, a token-like query parameter such as `token`, `api_key`, `sig`, or a fragment) is refused
-at validation, naming `url`, and validation errors never echo it (the URL is masked first). Every error text (the service's
-answer included) has the token replaced by `***`, so reward errors, skip messages and logs never
-print it. JSON dumps mask it, except with the context `{"include_secrets": True}` (Prefect's
-block save, or a trusted hop such as the backend host's socket).
+at validation, naming `url`, and validation errors never echo it (the URL is masked first).
+Every error text (the service's answer included) has the token replaced by `***`, so reward
+errors, skip messages and logs never print it. JSON dumps mask it, except with the context
+`{"include_secrets": True}` (Prefect's block save, or a trusted hop such as the backend host's
+socket).
 
 `score_responses(reward, items, remote)` returns one reward per item (in order) for any reward
 name: built-in and custom rewards run in-process, `remote_rm` goes to the service.
