@@ -36,7 +36,7 @@ from pinned_eval.suite import EvalSample, ResolvedDataset
 from tasks.admission import admitted, pin_lock
 from tasks.external import backend_lock_name, evaluate_external
 from tasks.generate import generate, load_datasets
-from tasks.log import lag_steps, log_point, measured_rows, skip_rows
+from tasks.log import lag_steps, log_point, measured_rows, sink_note, skip_rows
 from tasks.pin import pin_fleet, verify_shared
 from tasks.score import score
 from tasks.snapshots import Snapshot, check_snapshot_task, export_snapshot, retire_snapshot
@@ -123,14 +123,15 @@ def eval_point(
             point = point_metrics(
                 step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
             )
-            log_point(run, step, measured_rows(run, step, per_dataset, point), cfg.sinks)
+            sink_errors = log_point(run, step, measured_rows(run, step, per_dataset, point), cfg.sinks)
             summary = ", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items())
-            return Completed(message=f"measured {flow_run_name(run, step)}: {summary}")
+            return Completed(message=f"measured {flow_run_name(run, step)}: {summary}{sink_note(sink_errors)}")
     except EvalSkipped as skip:
         get_run_logger().warning("skipped %s: %s", flow_run_name(run, step), skip)
+        sink_errors = {}
         if sinks_block is not None:
-            log_point(run, step, skip_rows(run, step, skip.reason, skip.message), sinks_block)
-        return Completed(name="Skipped", message=f"{skip.reason}: {skip.message}")
+            sink_errors = log_point(run, step, skip_rows(run, step, skip.reason, skip.message), sinks_block)
+        return Completed(name="Skipped", message=f"{skip.reason}: {skip.message}{sink_note(sink_errors)}")
     except Exception as exc:
         if sinks_block is not None:  # else the sinks block itself failed to load: nowhere to record
             log_point(run, step, skip_rows(run, step, SkipReason.CRASHED, repr(exc), failed=True), sinks_block)

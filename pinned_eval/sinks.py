@@ -5,11 +5,20 @@ crashed). Writing a point replaces every earlier row of the same (run, step), so
 replaces, never duplicates; rows of other points are untouched. The file is rewritten through a
 temp file + rename under an exclusive lock, so readers never see a half-written file and
 concurrent points (separate processes) do not lose each other's rows.
+
+A line that is not a metric row (corrupt, truncated, not UTF-8, another format) belongs to no
+point: readers skip it and a rewrite keeps it byte for byte where it was, each time with a
+warning naming the file and line (`JsonlSink.bad_lines`). So one bad line never blocks or loses
+another run's rows, and nothing is deleted that an operator may want to look at.
+
+`sink_errors` on a row: the sinks after the JSONL file (W&B, Prefect artifacts) that failed for
+this point, sink name -> error; the point's state is unchanged by them (`tasks.log`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -19,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
 
 
 class MetricRow(BaseModel):
@@ -35,10 +46,16 @@ class MetricRow(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict)
     flow_run_id: str | None = None
     logged_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    sink_errors: dict[str, str] = Field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, int, str | None]:
         return (self.run, self.step, self.dataset)
+
+    def to_line(self) -> bytes:
+        """The row as one JSONL line (`sink_errors` only when there are some)."""
+        exclude = None if self.sink_errors else {"sink_errors"}
+        return self.model_dump_json(exclude=exclude).encode() + b"\n"
 
 
 @contextmanager
@@ -57,34 +74,45 @@ class JsonlSink:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.bad_lines: list[str] = []  # `<file>:<line>: <problem>` of the last read or write
 
-    def read(self, run: str | None = None) -> list[MetricRow]:
+    def _lines(self) -> Iterator[tuple[bytes, MetricRow | None]]:
+        """Every non-blank line with its row, or None (warned and noted) when it is not one."""
+        self.bad_lines = []
         if not self.path.exists():
-            return []
-        rows = []
-        with open(self.path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+            return
+        with open(self.path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
                     continue
                 try:
-                    row = MetricRow.model_validate_json(line)
-                except ValueError as exc:
-                    raise ValueError(f"{self.path}:{lineno}: not a metric row: {exc}") from exc
-                if run is None or row.run == run:
-                    rows.append(row)
-        return rows
+                    row = MetricRow.model_validate_json(raw)
+                except ValueError as exc:  # not JSON, not UTF-8, not a metric row
+                    problem = str(exc).splitlines()[0][:200]
+                    self.bad_lines.append(f"{self.path}:{lineno}: not a metric row ({problem})")
+                    log.warning("%s:%d: not a metric row, skipped and kept as is: %s", self.path, lineno, problem)
+                    row = None
+                yield raw, row
+
+    def read(self, run: str | None = None) -> list[MetricRow]:
+        """Every row (of `run`), in file order; lines that are not rows are skipped (`bad_lines`)."""
+        return [row for _, row in self._lines() if row is not None and (run is None or row.run == run)]
 
     def write_point(self, rows: list[MetricRow]) -> None:
-        """Replace every row of the points in `rows` with `rows` (atomically)."""
+        """Replace every row of the points in `rows` with `rows` (atomically); other lines,
+        unparseable ones included, are kept byte for byte."""
         if not rows:
             return
         points = {(r.run, r.step) for r in rows}
         with _locked(self.path):
-            kept = [r for r in self.read() if (r.run, r.step) not in points]
+            kept = [
+                raw if raw.endswith(b"\n") else raw + b"\n"
+                for raw, row in self._lines()
+                if row is None or (row.run, row.step) not in points
+            ]
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                for row in [*kept, *rows]:
-                    f.write(row.model_dump_json() + "\n")
+            with os.fdopen(fd, "wb") as f:
+                f.writelines([*kept, *(row.to_line() for row in rows)])
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

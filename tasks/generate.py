@@ -8,16 +8,18 @@ fleet client bounds requests in flight (the fleet's request concurrency), retrie
 finishes and refuses any response whose `weight_version` is not the pinned one. Failures map to
 skips: a response from other weights → `pin_violation`; a fleet that stops serving (transport
 errors, 5xx, persistent aborts) → `unhealthy`; a request the engine rejects as malformed (4xx)
-is a bug and propagates (the point crashes). Progress is a Prefect progress artifact.
+is a bug and propagates (the point crashes). Progress is a Prefect progress artifact, best
+effort: when the artifacts API fails, a WARNING is logged and progress stops (the point goes on).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, cast
 from uuid import UUID
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
@@ -47,18 +49,31 @@ class Generation(BaseModel):
 
 
 class _Progress:
-    """Updates the progress artifact at most every 5 %."""
+    """Updates the progress artifact at most every 5 %; the first API failure stops it (logged)."""
 
     def __init__(self, total: int, key_hint: str) -> None:
         self.total, self.done, self._shown = max(total, 1), 0, 0.0
-        self.artifact_id = cast(UUID, create_progress_artifact(0.0, description=f"generating {key_hint}"))
+        self.artifact_id: UUID | None = None
+        self._best_effort(lambda: self._create(f"generating {key_hint}"))
+
+    def _create(self, description: str) -> None:
+        self.artifact_id = cast(UUID, create_progress_artifact(0.0, description=description))
+
+    def _best_effort(self, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except Exception as exc:  # a UI nicety: never fails the point; logged, then progress stops
+            self.artifact_id = None
+            get_run_logger().warning("progress artifact failed, progress no longer shown: %s: %s",
+                                     type(exc).__name__, exc)  # fmt: skip
 
     def tick(self) -> None:
         self.done += 1
         pct = 100.0 * self.done / self.total
-        if pct - self._shown >= 5.0 or self.done == self.total:
+        if self.artifact_id is not None and (pct - self._shown >= 5.0 or self.done == self.total):
             self._shown = pct
-            update_progress_artifact(self.artifact_id, pct)
+            artifact_id = self.artifact_id
+            self._best_effort(lambda: update_progress_artifact(artifact_id, pct))
 
 
 def _sampling(ds: ResolvedDataset, seed: int) -> dict[str, Any]:

@@ -1,17 +1,31 @@
 """Log task: one point's record into every sink — JSONL, W&B, and Prefect artifacts.
 
 Contract: a measured point writes one row per dataset, a skipped/failed point one point-level row
-with `eval/skipped_<reason>: 1`; every row is at the point's step. Artifacts: a table per point
-(`eval-<run>-step-<step>`) and the run's history table `eval-<run>` (one row per step, newest
-record wins) — a new version of it per point. With a JSONL sink the history is rebuilt from the
-JSONL file, so it also holds the skips the trainer recorded itself (`busy`, `export_failed`: no
-flow ran for them); without one it is the previous version plus this point. Secrets never enter a
+with `eval/skipped_<reason>: 1`; every row is at the point's step.
+
+Nothing is lost to a sink: the JSONL file is written first and is the record (its own failure
+fails the task). W&B and the artifacts come after it, each retried (`attempt_sink`:
+`SINK_ATTEMPTS`, exponential backoff); a sink that still fails does not change the point's
+outcome: `log_point` returns {sink: error}, logs a WARNING naming the sink and the error, and
+rewrites the point's JSONL rows with `sink_errors` and `eval/sink_failed_<sink>: 1`; the flow adds
+`sink_note(...)` to the run's state message. The per-sample artifact (`samples`, written by the
+score task before this one) follows the same rule: the score task logs its error and marks the
+rows `eval/sink_failed_samples: 1`, which `log_point` reports with the others. Only `Exception`s
+are caught (a cancellation or deadline still unwinds).
+A W&B retry after a partial write may log the same row twice (same `eval/step`, same values).
+
+Artifacts: a table per point (`eval-<run>-step-<step>`) and the run's history table `eval-<run>`
+(one row per step, newest record wins) — a new version of it per point. With a JSONL sink the
+history is rebuilt from the JSONL file, so it also holds the skips the trainer recorded itself
+(`busy`, `export_failed`: no flow ran for them); without one it is the previous version plus this
+point. Secrets never enter a
 row or an artifact.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, cast
 
 from prefect import get_run_logger, task
@@ -19,6 +33,7 @@ from prefect.artifacts import Artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 from prefect.variables import Variable
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from blocks.sinks import SinksBlock
 from pinned_eval.points import history_artifact_key, progress_variable_name
@@ -78,22 +93,76 @@ def _update_history(run: str, rows: list[MetricRow], jsonl_path: str | None) -> 
     create_table_artifact(table=table, key=key, description=f"eval history of run {run}, one row per step")
 
 
+SINK_ATTEMPTS = 3  # per sink after the JSONL file; waits 0.5 s, 1 s between attempts
+SinkName = str  # "wandb" | "artifacts" | "samples"
+SINK_FAILED = "eval/sink_failed_"
+
+
 @task(cache_policy=NO_CACHE, task_run_name="log-{run}-{step}")
-def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> None:
+def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> dict[SinkName, str]:
+    """Record the point in every sink; returns the sinks that failed after their retries."""
+    logger = get_run_logger()
     flow_run_id = _flow_run_id()
     rows = [r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows]
-    if sinks.jsonl_path:
-        JsonlSink(sinks.jsonl_path).write_point(rows)
+    jsonl = JsonlSink(sinks.jsonl_path) if sinks.jsonl_path else None
+    if jsonl is not None:
+        jsonl.write_point(rows)
+        for problem in jsonl.bad_lines:
+            logger.warning("JSONL sink: %s; kept as is, other rows unaffected", problem)
+    attempts: dict[SinkName, str | None] = {}
     if sinks.wandb_project and sinks.wandb_mode != "disabled":
-        _log_wandb(run, step, rows, sinks, sinks.wandb_project)
+        project = sinks.wandb_project
+        attempts["wandb"] = attempt_sink(lambda: _log_wandb(run, step, rows, sinks, project))
+    attempts["artifacts"] = attempt_sink(lambda: _log_artifacts(run, step, rows, sinks.jsonl_path))
+    errors = {sink: error for sink, error in attempts.items() if error}
+    for sink, error in errors.items():
+        logger.warning("sink %s failed for %s/step-%d after %d attempts; the point keeps its outcome: %s",
+                       sink, run, step, SINK_ATTEMPTS, error)
+    if any(f"{SINK_FAILED}samples" in r.metrics for r in rows):  # already logged by the score task
+        errors["samples"] = "per-sample artifact not written (the score task's WARNING log has the error)"
+    if errors and jsonl is not None:
+        jsonl.write_point([_with_sink_errors(r, errors) for r in rows])
+    logger.info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
+    return errors
+
+
+def sink_note(errors: dict[SinkName, str]) -> str:
+    """What a run's state message says about failed sinks ("" when none failed)."""
+    if not errors:
+        return ""
+    return "; sink failed: " + "; ".join(f"{sink} ({error[:200]})" for sink, error in sorted(errors.items()))
+
+
+def attempt_sink(write: Callable[[], None]) -> str | None:
+    """Run `write` up to `SINK_ATTEMPTS` times: None once it succeeds, else its last error."""
+    retrying = Retrying(
+        stop=stop_after_attempt(SINK_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.5, max=4.0),
+        retry=retry_if_exception_type(Exception),
+        reraise=True,
+    )
+    try:
+        for attempt in retrying:
+            with attempt:
+                write()
+    except Exception as exc:  # recorded beside the point (JSONL, log, state message), never dropped
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _with_sink_errors(row: MetricRow, errors: dict[SinkName, str]) -> MetricRow:
+    failed = {f"{SINK_FAILED}{sink}": 1.0 for sink in errors}
+    return row.model_copy(update={"sink_errors": dict(errors), "metrics": {**row.metrics, **failed}})
+
+
+def _log_artifacts(run: str, step: int, rows: list[MetricRow], jsonl_path: str | None) -> None:
     key = f"{history_artifact_key(run)}-step-{step}"
     create_table_artifact(
         table=[{"dataset": r.dataset or "", "state": r.state, "reason": r.reason or "", **r.metrics} for r in rows],
         key=key,
         description=f"eval point {run}/step-{step}",
     )
-    _update_history(run, rows, sinks.jsonl_path)
-    get_run_logger().info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
+    _update_history(run, rows, jsonl_path)
 
 
 def _log_wandb(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock, project: str) -> None:

@@ -4,8 +4,10 @@ Contract: a reward function that raises propagates (the point crashes: `skipped_
 Failed run); a reward returning None counts in `-none_reward_ratio`. Rewards get the row's
 metadata; `remote_rm` posts to the suite's scoring service, and a service that gives no reward
 after its retries (`RemoteRewardError`) skips the point as `reward_unavailable` — never a 0
-score. Weight-version metrics are computed against the pinned version, so `weight_version/mean == step` and
-`mixed_version_ratio == 0` prove the pin.
+score. The per-sample artifact is a sink (`tasks.log.attempt_sink`): retried, and if it still
+fails the point stays measured with `eval/sink_failed_samples: 1` and a WARNING.
+Weight-version metrics are computed against the pinned version, so `weight_version/mean == step`
+and `mixed_version_ratio == 0` prove the pin.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pinned_eval.external import DatasetResult
@@ -23,6 +25,7 @@ from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.suite import EvalSuite, ResolvedDataset
 from tasks.external import record_point_samples
 from tasks.generate import Generation
+from tasks.log import SINK_ATTEMPTS, SINK_FAILED, attempt_sink
 
 
 @task(cache_policy=NO_CACHE, task_run_name="score")
@@ -61,5 +64,9 @@ def score(
             pass_threshold=suite.pass_threshold,
             expected_version=weight_version,
         )
-    record_point_samples(run, step, samples)
+    error = attempt_sink(lambda: record_point_samples(run, step, samples))
+    if error:
+        get_run_logger().warning("sink samples failed for %s/step-%d after %d attempts; the point keeps its "
+                                 "outcome: %s", run, step, SINK_ATTEMPTS, error)  # fmt: skip
+        out = {ds: {**metrics, f"{SINK_FAILED}samples": 1.0} for ds, metrics in out.items()}
     return out

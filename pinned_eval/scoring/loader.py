@@ -9,12 +9,14 @@ Contract:
   string as Parquet exports often hold; null is {}; the key must exist); without it, every other column of
   the row, unchanged. `metadata_overrides` are then set on it (miles `inject_metadata`).
 - Any bad row raises `DatasetError` naming the file, the JSONL line (1-based) or Parquet row
-  (0-based), and the offending key. Nothing is skipped silently.
+  (0-based), and the offending key. Nothing is skipped silently. A JSONL line that is not UTF-8
+  is such a bad row (named by line and byte column), as is JSON that is not.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,9 +65,18 @@ def load_dataset(spec: ResolvedDataset) -> list[EvalSample]:
     return samples
 
 
+# bytes that are not UTF-8 decode to lone surrogates U+DC80..U+DCFF under "surrogateescape";
+# valid UTF-8 never yields them, so one in a line marks the exact bad byte
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
+    with path.open(encoding="utf-8", errors="surrogateescape") as fh:
         for lineno, line in enumerate(fh, start=1):
+            if bad := _UNDECODABLE.search(line):
+                byte = ord(bad.group()) - 0xDC00
+                column = len(line[: bad.start()].encode("utf-8", "surrogateescape")) + 1
+                raise DatasetError(f"{path}: line {lineno}: not UTF-8 text (byte 0x{byte:02x} at byte column {column})")
             if not line.strip():
                 continue
             try:

@@ -116,7 +116,7 @@ class FaultyHTTPProxy:
                 if not head:
                     self.wfile.write(content)
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+            do_GET = do_PUT = do_POST = do_PATCH = do_DELETE = do_HEAD = _handle
 
         self.server = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
