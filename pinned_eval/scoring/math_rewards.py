@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from tokenize import TokenError
 from typing import Any
 
 import sympy
 from pylatexenc.latex2text import LatexNodes2Text
 from sympy.core.sympify import SympifyError
 from sympy.parsing import sympy_parser
-from tokenize import TokenError
 
 from pinned_eval.scoring.answers import Label, last_boxed
 
@@ -172,7 +172,7 @@ def sympy_normalize(expr: str) -> str:
     expr = re.sub(r",\\! *", "", expr)
     x = _float_or_none(expr)
     if x is not None and _near_int(x):
-        expr = str(int(round(x)))
+        expr = str(round(x))
     if "\\" in expr:
         expr = _latex_to_text(expr)
     expr = re.sub("- *", "-", expr)
@@ -190,7 +190,7 @@ def _evaluable(expr: str) -> bool:
     return re.search(r"\^[0-9]+\^|\^[0-9][0-9]+", expr) is None
 
 
-_TRANSFORMS = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
+_TRANSFORMS = (*sympy_parser.standard_transformations, sympy_parser.implicit_multiplication_application)
 # what parsing/simplifying model output may raise: each means "not shown equal"
 _SYMPY_FAILURES = (SympifyError, SyntaxError, TokenError, TypeError, ValueError, AttributeError,
                    NameError, ZeroDivisionError, OverflowError, RecursionError, IndexError, KeyError)

@@ -38,7 +38,7 @@ from pinned_eval.scoring.choice_rewards import gpqa
 from pinned_eval.scoring.math_rewards import boxed_math, deepscaler, gemma_math, math_answer
 from pinned_eval.scoring.miles_rewards import dapo, f1
 
-__all__ = ["RewardFn", "RewardRefused", "check_reward_name", "get_reward", "exact_match"]
+__all__ = ["RewardFn", "RewardRefused", "check_reward_name", "exact_match", "get_reward"]
 
 CUSTOM_PREFIX = "custom:"
 REMOTE_REWARD = "remote_rm"
@@ -149,7 +149,7 @@ def _takes_metadata(fn: Callable[..., object]) -> bool:
 def _checked(name: str, fn: Callable[..., object]) -> RewardFn:
     with_metadata = _takes_metadata(fn)
 
-    def reward(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float | None:
+    def reward(response: str, label: Label, metadata: Mapping[str, Any] | None = None) -> float | None:
         # exceptions propagate: the flow records a crashed point
         value = fn(response, label, dict(metadata or {})) if with_metadata else fn(response, label)
         if value is None:
