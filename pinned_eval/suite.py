@@ -16,6 +16,7 @@ This module imports nothing heavy (no Prefect, no torch).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -246,15 +247,31 @@ class EvalSuite(BaseModel):
         pass_at_k: bool = False,
         base_dir: str | None = None,
         remote_reward: RemoteRewardConfig | None = None,
+        variables: Mapping[str, str] | None = None,
+        strict_miles: bool = False,
+        rm_type: str | None = None,
     ) -> EvalSuite:
         """Load miles' eval config: a file path, YAML/JSON text, or `base64:<payload>`
         (`pinned_eval.miles_config` says what is accepted and what is refused, by key path).
 
         Relative dataset paths resolve against the file's directory (or `base_dir` when given).
         `remote_reward` is miles' `--rm-url` (+ client limits), needed by `rm_type: remote_rm`.
+        `variables` resolve `${VAR}` interpolations before the environment does; `strict_miles`
+        refuses pinned-eval's extension keys. `rm_type` is miles' `--rm-type`: the reward of a
+        dataset that sets none (nor `eval.defaults`); with none at all the dataset is refused, as
+        miles raises for it (no silent `exact_match`).
         """
-        cfg = parse_miles_eval_config(path_or_text)
+        cfg = parse_miles_eval_config(path_or_text, variables=variables, strict_miles=strict_miles)
         datasets = tuple(_from_yaml(DatasetSpec, w, d) for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True))
+        if "reward" not in cfg.defaults:
+            missing = [w for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True) if d.get("reward") is None]
+            if missing and rm_type is None:
+                raise ValueError(
+                    f"{missing[0]}.rm_type: required (no rm_type here, none under {cfg.defaults_path} and no "
+                    "--rm-type: miles has no reward for it)"
+                )
+            if rm_type is not None:
+                cfg.defaults["reward"] = check_reward_name(rm_type, strict_miles=strict_miles)
         try:
             return cls(
                 datasets=datasets,

@@ -422,4 +422,4 @@ def test_missing_key_on_random_row_is_named(
 def test_miles_config_file_with_any_extension(tmp_path: Path) -> None:
     cfg = tmp_path / "eval.conf"
     cfg.write_text("eval:\n  datasets:\n    - {name: a, path: a.jsonl}\n")
-    assert EvalSuite.from_miles_yaml(str(cfg)).resolved()[0].path == tmp_path / "a.jsonl"
+    assert EvalSuite.from_miles_yaml(str(cfg), rm_type="math").resolved()[0].path == tmp_path / "a.jsonl"
