@@ -108,3 +108,18 @@ def test_yaml_syntax_error_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"^eval config {path}: not valid YAML \(line 3,") as info:
         EvalSuite.from_miles_yaml(path)
     assert "<unicode string>" not in str(info.value)
+
+
+def test_cli_set_resolves_and_a_missing_value_exits_2_naming_the_key(example: Path) -> None:
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    ok = CliRunner().invoke(app, ["suite", "miles", str(example), "--set", "DATA_DIR=/cli", "--strict-miles"])
+    assert ok.exit_code == 0, ok.output
+    assert '"path": "/cli/aime-2024/aime-2024.jsonl"' in ok.stdout
+    refused = CliRunner().invoke(app, ["suite", "miles", str(example)])
+    assert refused.exit_code == 2
+    assert "eval.datasets[0].path: cannot resolve" in refused.stderr
+    bad = CliRunner().invoke(app, ["suite", "miles", str(example), "--set", "DATA_DIR"])
+    assert bad.exit_code == 2 and "--set" in bad.output
