@@ -4,7 +4,7 @@ means, optionally save it as an EvalSuite block (`--save NAME`).
 `--set NAME=VALUE` (repeatable) resolves `${NAME}` / `${oc.env:NAME}` ahead of the environment;
 `--strict-miles` refuses pinned-eval's extension keys; `--rm-type` is miles' `--rm-type`.
 Exit codes: 0 loaded (and saved); 2 the config is refused (message names the key) or a `--set`
-is malformed; 1 saving the block failed.
+is malformed; 1 saving the block failed (Prefect unreachable).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def miles(
     path: Annotated[Path, typer.Argument(help="miles eval config (YAML/JSON).", exists=True, dir_okay=False)],
     set_: Annotated[list[str] | None, typer.Option("--set", help="NAME=VALUE for ${NAME} interpolations.")] = None,
     strict_miles: Annotated[bool, typer.Option("--strict-miles", help="Refuse pinned-eval's extension keys.")] = False,
-    rm_type: Annotated[str | None, typer.Option("--rm-type", help="miles' --rm-type: reward of datasets without one.")] = None,
+    rm_type: Annotated[
+        str | None, typer.Option("--rm-type", help="miles' --rm-type: reward of datasets without one.")
+    ] = None,
     save: Annotated[str | None, typer.Option("--save", help="Save as this EvalSuite block name.")] = None,
 ) -> None:
     """Print the datasets a miles eval config means (after interpolation, defaults, fallbacks)."""
@@ -49,8 +51,4 @@ def miles(
     if save:
         from blocks import EvalSuiteBlock  # prefect: slow import; `pinned-eval --help` stays fast
 
-        try:
-            EvalSuiteBlock(suite=suite).save(save, overwrite=True)
-        except Exception as exc:  # noqa: BLE001 - reported and exits 1, never swallowed
-            typer.echo(f"error: saving block {save!r}: {exc}", err=True)
-            raise typer.Exit(1) from exc
+        EvalSuiteBlock(suite=suite).save(save, overwrite=True)  # a failure propagates: exit 1
