@@ -20,6 +20,10 @@ class RewardRefused(ValueError):
     """miles' reward raises on this row: refused, never scored (the message names the row's problem)."""
 
 
+class RewardTypeError(TypeError):
+    """A custom reward returned something that is neither a real number nor None."""
+
+
 class RewardFn(Protocol):
     """A reward: `metadata` is the row's metadata (optional for callers)."""
 

@@ -16,8 +16,9 @@ metadata (see `pinned_eval.scoring.loader`). Rewards (each documented in its mod
   so `get_reward("remote_rm")` raises.
 - `custom:<module:function>` or `custom:<module.function>`: any importable function
   `(response, label)` or `(response, label, metadata)` (a third parameter gets the row's
-  metadata). It must return a real number or None (None is counted as a none-reward by the
-  metrics); anything else raises `RewardTypeError`. Exceptions it raises propagate unchanged —
+  metadata), or miles' `async def f(args, sample)` (`pinned_eval.scoring.miles_custom`). It must
+  return a real number or None (None is counted as a none-reward by the metrics); anything else
+  raises `RewardTypeError`. Exceptions it raises propagate unchanged —
   the eval-point flow turns them into a `crashed` point.
 `check_reward_name` validates a name's syntax without importing anything (custom modules may only
 exist where the flow runs); `get_reward` imports and returns the callable.
@@ -33,9 +34,10 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-from pinned_eval.scoring.answers import Label, RewardFn, RewardRefused, boxed_content
+from pinned_eval.scoring.answers import Label, RewardFn, RewardRefused, RewardTypeError, boxed_content
 from pinned_eval.scoring.choice_rewards import gpqa
 from pinned_eval.scoring.math_rewards import boxed_math, deepscaler, gemma_math, math_answer
+from pinned_eval.scoring.miles_custom import is_miles_sample_reward, miles_sample_reward
 from pinned_eval.scoring.miles_rewards import dapo, f1
 
 __all__ = ["RewardFn", "RewardRefused", "check_reward_name", "exact_match", "get_reward"]
@@ -43,10 +45,6 @@ __all__ = ["RewardFn", "RewardRefused", "check_reward_name", "exact_match", "get
 CUSTOM_PREFIX = "custom:"
 REMOTE_REWARD = "remote_rm"
 _CUSTOM_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)$")
-
-
-class RewardTypeError(TypeError):
-    """A custom reward returned something that is neither a real number nor None."""
 
 
 # ---------------------------------------------------------------------------- exact match
@@ -133,6 +131,9 @@ def get_reward(name: str) -> RewardFn:
     custom = getattr(module, attr, None)
     if not callable(custom):
         raise ValueError(f"reward {name!r}: {module_name!r} has no callable {attr!r}")
+    if is_miles_sample_reward(custom):  # miles' --custom-rm-path form: async (args, sample)
+        fn: RewardFn = miles_sample_reward(name, custom)
+        return fn
     return _checked(name, custom)
 
 

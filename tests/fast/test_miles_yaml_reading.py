@@ -123,3 +123,48 @@ def test_cli_set_resolves_and_a_missing_value_exits_2_naming_the_key(example: Pa
     assert "eval.datasets[0].path: cannot resolve" in refused.stderr
     bad = CliRunner().invoke(app, ["suite", "miles", str(example), "--set", "DATA_DIR"])
     assert bad.exit_code == 2 and "--set" in bad.output
+
+
+MILES_RM = '''\
+"""A miles --custom-rm-path module: async (args, sample)."""
+
+
+async def judge(args, sample):
+    ok = sample.response.strip() == str(sample.label) and sample.status == "completed"
+    return {"score": 1.0 if ok else 0.0, "seen": (args.rm_type, args.custom_rm_path, sample.prompt,
+            sample.metadata.get("split"), args.n_samples_per_eval_prompt, args.eval_temperature)}
+
+
+SEEN = []
+
+
+async def record(args, sample):
+    SEEN.append((args.custom_rm_path, args.eval_max_response_len, sample.prompt, sample.label, dict(sample.metadata)))
+    return 0.5
+'''
+
+
+def test_custom_rm_path_calls_an_async_args_sample_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from pinned_eval.scoring.remote import RewardItem, score_responses
+
+    (tmp_path / "my_miles_rm.py").write_text(MILES_RM, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = ("eval:\n  defaults: {max_response_len: 32, rm_type: math}\n  datasets:\n"
+            "    - {name: a, path: /a.jsonl, rm_type: gpqa, n_samples_per_eval_prompt: 2, temperature: 0.5}\n")
+    suite = EvalSuite.from_miles_yaml(text, custom_rm_path="my_miles_rm.record")
+    [ds] = suite.resolved()
+    assert ds.reward == "custom:my_miles_rm.record"  # miles: --custom-rm-path overrides rm_type
+    items = [RewardItem("What is 2+2?", "4", "4", {"split": "test"}), RewardItem("1+1?", "3", "2", {})]
+    assert asyncio.run(score_responses(ds.reward, items, None, suite.miles_args(ds))) == [0.5, 0.5]
+    import my_miles_rm  # type: ignore[import-not-found]
+
+    assert my_miles_rm.SEEN == [
+        ("my_miles_rm.record", 32, "What is 2+2?", "4", {"split": "test"}),
+        ("my_miles_rm.record", 32, "1+1?", "2", {}),
+    ]
+    judge = EvalSuite.from_miles_yaml(text, custom_rm_path="my_miles_rm.judge")
+    [jd] = judge.resolved()
+    scored = asyncio.run(score_responses(jd.reward, items, None, judge.miles_args(jd)))
+    assert scored == [1.0, 0.0]  # a dict reward: its "score"
