@@ -24,7 +24,8 @@ without one scores 0.0, as does an empty label (miles: `not label`). A label is 
   (docs/rewards.md), warned about when a config using it loads.
 
 Safety: the sympy path parses model output only under the letter/power limits above (which miles
-has too), so no name longer than two letters reaches `parse_expr`.
+has too), so no name longer than two letters reaches `parse_expr`; pinned-eval also never
+evaluates a literal `**` (a tower like `9**9**9` would hang the scorer; miles would hang).
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ def sympy_normalize(expr: str) -> str:
 def _evaluable(expr: str) -> bool:
     letters = {c for c in expr.replace("sqrt", "").replace("frac", "") if c.isalpha()}
     if len(letters) > 2 or "^{" in expr or "^(" in expr:
+        return False
+    if "**" in expr:  # pinned-eval's guard: `9**9**9` would hang the scorer (miles has none)
         return False
     return re.search(r"\^[0-9]+\^|\^[0-9][0-9]+", expr) is None
 

@@ -87,6 +87,18 @@ def test_exact_match_is_not_a_miles_rm_type() -> None:
     assert check_reward_name("exact_match") == "exact_match"
 
 
+def test_a_refused_row_skips_the_point_as_reward_unavailable() -> None:
+    from pinned_eval.skip_mapping import skip_for
+
+    [row] = [r for r in ROWS if r["id"] == "dapo-26"]  # label 'five': miles raises ValueError
+    kind, exc = score_row(row)
+    assert kind == "refused" and skip_for(exc) == ("reward_unavailable", str(exc))
+
+
+def test_a_power_tower_is_not_evaluated() -> None:
+    assert get_reward("math")("\\boxed{9**9**9**9}", "1") == 0.0
+
+
 if __name__ == "__main__":
     for name, (ok, n) in sorted(agreement_table().items()):
         print(f"| {name} | {ok} / {n} |")
