@@ -59,7 +59,7 @@ class RewardItem:
 
     prompt: str
     response: str
-    label: str
+    label: str | int | float
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 

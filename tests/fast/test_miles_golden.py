@@ -62,6 +62,23 @@ def test_golden_rows_agree_with_miles(rm_type: str) -> None:
     assert not diffs, f"{rm_type}: {len(rows) - len(diffs)}/{len(rows)} agree\n" + "\n".join(diffs)
 
 
+def test_labels_reach_the_reward_with_their_json_type(tmp_path: Path) -> None:
+    """Through the dataset loader too (what a real point scores): a numeric label stays a number."""
+    from pinned_eval.scoring.loader import load_dataset
+    from pinned_eval.suite import DatasetSpec, EvalSuite
+
+    rows = [r for r in ROWS if r["rm_type"] in MILES_TYPES]
+    path = tmp_path / "golden.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r["id"], "label": r["label"], "meta": r["metadata"]}) + "\n"
+                            for r in rows), encoding="utf-8")  # fmt: skip
+    [ds] = EvalSuite(datasets=(DatasetSpec(name="g", path=str(path), reward="f1", metadata_key="meta"),)).resolved()
+    loaded = load_dataset(ds)
+    assert [(s.label, type(s.label)) for s in loaded] == [(r["label"], type(r["label"])) for r in rows]
+    diffs = [r["id"] for r, s in zip(rows, loaded, strict=True)
+             if not agrees(r, score_row({**r, "label": s.label, "metadata": s.metadata}))]  # fmt: skip
+    assert not diffs
+
+
 def test_boxed_math_keeps_the_sane_result() -> None:
     """miles' boxed_math scores 0 on every row (it hands the box's content to `math`, which needs a
     box): pinned-eval grades the last box like `math` instead (documented divergence)."""
