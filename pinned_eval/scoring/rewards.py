@@ -1,6 +1,6 @@
 """Reward functions `(response, label, metadata=None) -> float | None` and their registry.
 
-`label` keeps its JSON type (str, int or float) as miles sees it; `metadata` is the row's
+`label` keeps its JSON type (str, int or float) as miles sees it (custom rewards too); `metadata` is the row's
 metadata (see `pinned_eval.scoring.loader`). Rewards (each documented in its module):
 - miles' rm types, scored as miles' `rm_hub.async_rm` at 31f1ca9 does (docs/rewards.md):
   `math`, `deepscaler`, `gemma_math` (`math_rewards`), `dapo`, `f1` (`miles_rewards`), `gpqa`
