@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from app.commands import demo, fleet, history, points, snapshot, stack
+from app.commands import demo, fleet, history, points, snapshot, stack, suite
 from engine import cli as engine
 
 app = typer.Typer(
@@ -21,6 +21,7 @@ app = typer.Typer(
 app.add_typer(engine.app, name="engine")
 app.add_typer(fleet.app, name="fleet")
 app.add_typer(snapshot.app, name="snapshot")
+app.add_typer(suite.app, name="suite")
 app.command("tiny-model")(engine.tiny_model)
 app.command("export")(snapshot.export)
 app.add_typer(stack.server_app, name="server")

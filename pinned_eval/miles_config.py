@@ -10,20 +10,39 @@ by `EvalSuite`):
   `max_response_len`, `rm_type`, ...; pinned-eval's own names are accepted too). miles keys
   pinned-eval does not implement (`tool_key`, `stop_token_ids`, `min_new_tokens`,
   `custom_generate_function_path`) are accepted only when null/empty, so nothing set is lost.
-- every refusal is a `ValueError` naming the key path, e.g. `eval.delegate[0].url: not supported`
-  or `eval.datasets[1].rm_type: 'ifbench' not supported`.
-- `rm_type`s: `math`, `boxed_math` (= math: it grades the `\\boxed{}` answer already), `f1`,
-  `exact_match`, `deepscaler`, `dapo`, `gpqa`, `remote_rm` (needs the suite's `remote_reward`).
+- every refusal is a `ValueError` naming the key path, e.g. `eval.delegate: not supported`
+  or `eval.datasets[1].rm_type: reward 'ifbench': not supported: ...`; a file that is not UTF-8
+  names the file and line, a YAML syntax error names the file (and line).
+- interpolations, as miles reads its config with OmegaConf: `${VAR}` takes `variables[VAR]` (the
+  caller's values, e.g. the CLI's `--set VAR=VALUE`), else the environment variable `VAR`, else a
+  root key `VAR` of the config itself; `${oc.env:VAR}` (and `${oc.env:VAR,default}`) takes the
+  caller's value first, else the environment. One that resolves to nothing is refused naming its
+  key path (`eval.datasets[0].path: cannot resolve ${DATA_DIR} ...`).
+- `rm_type`s: miles' `math`, `deepscaler`, `gemma_math`, `dapo`, `gpqa`, `f1`, `boxed_*`,
+  `remote_rm` (needs the suite's `remote_reward`); `ifbench` is refused naming why.
+  `boxed_math` loads with a `MilesDivergenceWarning` (miles scores it 0 on every row).
+- pinned-eval's extension keys (`EXTENSION_KEYS`: `n_samples_per_prompt`, `max_new_tokens`,
+  `reward`, `max_prompts`, `apply_chat_template`, `apply_chat_template_kwargs`, `system_prompt`,
+  and `rm_type: exact_match`) are refused with `strict_miles=True`, so a config that loads strictly
+  means the same to miles.
 """
 
 from __future__ import annotations
 
 import base64
+import os
+import re
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pinned_eval.scoring.rewards import MILES_DIVERGENCES, check_reward_name
 
 # miles key -> pinned-eval field (identity keys included so our own names are accepted too)
 MILES_KEYS = {
@@ -50,17 +69,18 @@ MILES_KEYS = {
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
 UNSUPPORTED_UNLESS_EMPTY = ("tool_key", "stop_token_ids", "min_new_tokens", "custom_generate_function_path")
-# miles rm_type -> pinned-eval reward
-MILES_RM_TYPES = {
-    "math": "math",
-    "boxed_math": "math",
-    "f1": "f1",
-    "exact_match": "exact_match",
-    "deepscaler": "deepscaler",
-    "dapo": "dapo",
-    "gpqa": "gpqa",
-    "remote_rm": "remote_rm",
-}
+# pinned-eval's own keys (miles does not read them): refused under strict_miles
+EXTENSION_KEYS = tuple(k for k, f in MILES_KEYS.items() if k not in (
+    "name", "path", "input_key", "label_key", "metadata_key", "metadata_overrides", "n_samples_per_eval_prompt",
+    "temperature", "top_p", "top_k", "max_response_len", "stop", "rm_type"))
+_ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_]\w*)(?:,[^}]*)?\}")
+_PLAIN_REF = re.compile(r"\$\{([A-Za-z_]\w*)\}")
+
+
+class MilesDivergenceWarning(UserWarning):
+    """A config uses an rm type whose miles result pinned-eval deliberately does not reproduce."""
+
+
 _EVAL_KEYS = ("defaults", "datasets", "delegate")
 
 
@@ -81,15 +101,21 @@ class MilesEvalConfig:
         return f"{where}.{'/'.join([*miles, field]) if miles else field}"
 
 
-def parse_miles_eval_config(source: str | Path) -> MilesEvalConfig:
+def parse_miles_eval_config(
+    source: str | Path, *, variables: Mapping[str, str] | None = None, strict_miles: bool = False
+) -> MilesEvalConfig:
     """Read and map a miles eval config (see the module docstring)."""
-    text, file_dir = _read_source(source)
+    text, file_dir, name = _read_source(source)
     try:
         root = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"eval config is not valid YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(f"eval config {name}: not valid YAML{at}: {problem}") from exc
     if not isinstance(root, dict):
         raise ValueError("eval config: root must be a mapping")
+    root = resolve_interpolations(root, variables or {})
     if "eval" in root:
         extra = sorted(str(k) for k in root if k != "eval")
         if extra:
@@ -107,16 +133,54 @@ def parse_miles_eval_config(source: str | Path) -> MilesEvalConfig:
     if not isinstance(raw_defaults, dict):
         raise ValueError(f"{where}.defaults: must be a mapping")
     entries = _dataset_entries(where, cfg)
-    datasets = [map_miles_keys(w, entry) for w, entry in entries]
+    datasets = [map_miles_keys(w, entry, strict_miles=strict_miles) for w, entry in entries]
     return MilesEvalConfig(
-        datasets, map_miles_keys(f"{where}.defaults", raw_defaults), file_dir, [w for w, _ in entries]
+        datasets,
+        map_miles_keys(f"{where}.defaults", raw_defaults, strict_miles=strict_miles),
+        file_dir,
+        [w for w, _ in entries],
     )
 
 
-def map_miles_keys(where: str, entry: dict[str, Any]) -> dict[str, Any]:
+def resolve_interpolations(root: dict[str, Any], variables: Mapping[str, str]) -> dict[str, Any]:
+    """`root` with every `${...}` resolved by OmegaConf (see the module docstring for the sources)."""
+    names: set[str] = set()
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, str):
+            node = _ENV_REF.sub(lambda m: f"${{{m.group(1)}}}" if m.group(1) in variables else m.group(0), node)
+            names.update(_PLAIN_REF.findall(node))
+            return node
+        if isinstance(node, dict):
+            return {k: rewrite(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    rewritten = rewrite(root)
+    if "${" not in repr(rewritten):
+        return root
+    supplied = {n: variables[n] if n in variables else os.environ[n]
+                for n in names if n not in rewritten and (n in variables or n in os.environ)}
+    conf = OmegaConf.create({**supplied, **rewritten})
+    try:
+        resolved = OmegaConf.to_container(conf, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "eval"
+        raise ValueError(
+            f"{key}: cannot resolve an interpolation ({str(exc).splitlines()[0]}); set the variable in the "
+            "environment or pass it (CLI: --set NAME=VALUE)"
+        ) from exc
+    assert isinstance(resolved, dict)
+    return {str(k): v for k, v in resolved.items() if k not in supplied}
+
+
+def map_miles_keys(where: str, entry: dict[str, Any], *, strict_miles: bool = False) -> dict[str, Any]:
     """One dataset (or the defaults) with miles key names mapped to pinned-eval fields."""
     out: dict[str, Any] = {}
     for key, value in entry.items():
+        if strict_miles and key in EXTENSION_KEYS:
+            raise ValueError(f"{where}.{key}: a pinned-eval extension miles does not read (strict_miles)")
         if key in UNSUPPORTED_UNLESS_EMPTY:
             if value not in (None, [], "", {}):
                 raise ValueError(f"{where}.{key}: not supported by pinned-eval (set it to null or remove it)")
@@ -127,12 +191,14 @@ def map_miles_keys(where: str, entry: dict[str, Any]) -> dict[str, Any]:
         if field in out:
             raise ValueError(f"{where}.{key}: sets '{field}' twice")
         if key == "rm_type" and value is not None:
-            if value not in MILES_RM_TYPES:
-                raise ValueError(
-                    f"{where}.rm_type: {value!r} not supported (supported: {sorted(MILES_RM_TYPES)}; "
-                    "use reward: 'custom:<module:function>' for others)"
-                )
-            value = MILES_RM_TYPES[value]
+            try:
+                if not isinstance(value, str) or value.startswith("custom:"):
+                    raise ValueError(f"{value!r} is not an rm_type (use reward: 'custom:<module:function>')")
+                check_reward_name(value, strict_miles=strict_miles)
+            except ValueError as exc:
+                raise ValueError(f"{where}.rm_type: {exc}") from exc
+            if value in MILES_DIVERGENCES:
+                warnings.warn(f"{where}.rm_type: {MILES_DIVERGENCES[value]}", MilesDivergenceWarning, stacklevel=2)
         if key == "stop" and isinstance(value, str):
             value = [value]
         out[field] = value
@@ -142,30 +208,32 @@ def map_miles_keys(where: str, entry: dict[str, Any]) -> dict[str, Any]:
 def _refuse_delegate(where: str, delegate: Any) -> None:
     if delegate in (None, [], {}):
         return
-    first = where
-    if isinstance(delegate, list):
-        first = f"{where}[0]"
-        if isinstance(delegate[0], dict) and delegate[0]:
-            first = f"{first}.{next(iter(delegate[0]))}"
-    elif isinstance(delegate, dict):
-        first = f"{where}.{next(iter(delegate))}"
     raise ValueError(
-        f"{first}: not supported (pinned-eval delegates evaluation through the external posture: "
+        f"{where}: not supported (pinned-eval delegates evaluation through the external posture: "
         "a CheckpointEvalFn backend, e.g. trainer_integration.sglang_backend:SGLangCheckpointEval)"
     )
 
 
-def _read_source(source: str | Path) -> tuple[str, str | None]:
+def _decode(data: bytes, name: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ValueError(f"eval config {name}: not UTF-8 (line {line}, byte {exc.start}: {exc.reason})") from exc
+
+
+def _read_source(source: str | Path) -> tuple[str, str | None, str]:
+    """(text, directory of the file or None, a name for messages)."""
     if isinstance(source, Path):
-        return source.read_text(encoding="utf-8"), str(source.absolute().parent)
+        return _decode(source.read_bytes(), str(source)), str(source.absolute().parent), str(source)
     if source.startswith("base64:"):
-        return base64.b64decode(source.removeprefix("base64:")).decode("utf-8"), None
+        return _decode(base64.b64decode(source.removeprefix("base64:")), "base64:..."), None, "base64:..."
     path = Path(source).expanduser()
     if "\n" not in source and (source.endswith((".yaml", ".yml", ".json")) or path.is_file()):
         if not path.is_file():
             raise FileNotFoundError(f"eval config file not found: {path}")
-        return path.read_text(encoding="utf-8"), str(path.absolute().parent)
-    return source, None
+        return _decode(path.read_bytes(), str(path)), str(path.absolute().parent), str(path)
+    return source, None, "(text)"
 
 
 def _dataset_entries(where: str, cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

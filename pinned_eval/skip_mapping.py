@@ -8,6 +8,7 @@
 | `GenerateRejected` with a 4xx status (a malformed request)  | not a skip: a bug, it propagates|
 | `GenerationAborted`, any other `FleetError`, `httpx.TransportError` | `unhealthy`             |
 | `RemoteRewardError` (a scoring service gave no reward)     | `reward_unavailable`            |
+| `RewardRefused` (miles' reward raises on a row)             | `reward_unavailable`            |
 | anything else                                               | not a skip (the point crashes)  |
 
 `fleet_skips(context, as_type=...)` applies it to a block of code: a mapped exception is re-raised
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 import httpx
 
 from pinned_eval.fleet.errors import FleetError, GenerateRejected, WeightVersionMismatch
+from pinned_eval.scoring.answers import RewardRefused
 from pinned_eval.scoring.remote import RemoteRewardError
 from pinned_eval.skips import EvalSkipped, SkipReason
 
@@ -31,7 +33,7 @@ def skip_for(exc: BaseException) -> tuple[str, str] | None:
     """(reason, message) of the skip `exc` stands for, or None when it is not a skip."""
     if isinstance(exc, EvalSkipped):
         return exc.reason, exc.message
-    if isinstance(exc, RemoteRewardError):
+    if isinstance(exc, RemoteRewardError | RewardRefused):
         return SkipReason.REWARD_UNAVAILABLE.value, str(exc)
     if isinstance(exc, WeightVersionMismatch):
         return SkipReason.PIN_VIOLATION.value, str(exc)

@@ -16,7 +16,9 @@ This module imports nothing heavy (no Prefect, no torch).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -237,6 +239,26 @@ class EvalSuite(BaseModel):
             path = Path(self.base_dir or ".").expanduser() / path
         return path.absolute()
 
+    def miles_args(self, ds: ResolvedDataset) -> SimpleNamespace:
+        """The `args` namespace a miles `async (args, sample)` reward gets for `ds` (miles' names)."""
+        custom = ds.reward.removeprefix("custom:") if ds.reward.startswith("custom:") else None
+        return SimpleNamespace(
+            rm_type=None if custom else ds.reward,
+            custom_rm_path=custom,
+            reward_key=None,
+            eval_reward_key=None,
+            rm_url=str(self.remote_reward.url) if self.remote_reward else None,
+            n_samples_per_eval_prompt=ds.n_samples_per_prompt,
+            eval_temperature=ds.temperature,
+            eval_top_p=ds.top_p,
+            eval_top_k=ds.top_k,
+            eval_max_response_len=ds.max_new_tokens,
+            rollout_stop=list(ds.stop),
+            eval_input_key=ds.input_key,
+            eval_label_key=ds.label_key,
+            metadata_key=ds.metadata_key,
+        )
+
     @classmethod
     def from_miles_yaml(
         cls,
@@ -246,15 +268,37 @@ class EvalSuite(BaseModel):
         pass_at_k: bool = False,
         base_dir: str | None = None,
         remote_reward: RemoteRewardConfig | None = None,
+        variables: Mapping[str, str] | None = None,
+        strict_miles: bool = False,
+        rm_type: str | None = None,
+        custom_rm_path: str | None = None,
     ) -> EvalSuite:
         """Load miles' eval config: a file path, YAML/JSON text, or `base64:<payload>`
         (`pinned_eval.miles_config` says what is accepted and what is refused, by key path).
 
         Relative dataset paths resolve against the file's directory (or `base_dir` when given).
         `remote_reward` is miles' `--rm-url` (+ client limits), needed by `rm_type: remote_rm`.
+        `variables` resolve `${VAR}` interpolations before the environment does; `strict_miles`
+        refuses pinned-eval's extension keys. `rm_type` is miles' `--rm-type`: the reward of a
+        dataset that sets none (nor `eval.defaults`); with none at all the dataset is refused, as
+        miles raises for it (no silent `exact_match`). `custom_rm_path` is miles' `--custom-rm-path`
+        (`module.function`, e.g. an `async (args, sample)` function): it scores every dataset,
+        overriding their `rm_type` as in miles.
         """
-        cfg = parse_miles_eval_config(path_or_text)
+        cfg = parse_miles_eval_config(path_or_text, variables=variables, strict_miles=strict_miles)
         datasets = tuple(_from_yaml(DatasetSpec, w, d) for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True))
+        if custom_rm_path is not None:
+            reward = check_reward_name(f"custom:{custom_rm_path}")
+            datasets = tuple(ds.model_copy(update={"reward": reward}) for ds in datasets)
+        elif "reward" not in cfg.defaults:
+            missing = [w for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True) if d.get("reward") is None]
+            if missing and rm_type is None:
+                raise ValueError(
+                    f"{missing[0]}.rm_type: required (no rm_type here, none under {cfg.defaults_path} and no "
+                    "--rm-type: miles has no reward for it)"
+                )
+            if rm_type is not None:
+                cfg.defaults["reward"] = check_reward_name(rm_type, strict_miles=strict_miles)
         try:
             return cls(
                 datasets=datasets,

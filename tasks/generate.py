@@ -40,7 +40,7 @@ class Generation(BaseModel):
     prompt_index: int
     sample_index: int
     prompt: str
-    label: str
+    label: str | int | float  # the row's label with its JSON type (miles' rewards see it typed)
     metadata: dict[str, Any]
     response: str
     response_len: int
@@ -106,7 +106,7 @@ async def _one(
         prompt_index=sample.index,
         sample_index=j,
         prompt=prompt.text,
-        label=str(sample.label),
+        label=sample.label,
         metadata=sample.metadata,
         response=result.text,
         response_len=result.meta_info.completion_tokens,

@@ -43,7 +43,7 @@ def score(
         gens = by_ds[ds.name]
         items = [RewardItem(g.prompt, g.response, g.label, g.metadata) for g in gens]
         with fleet_skips(f"dataset {ds.name!r}"):  # a scoring service that gives no reward → reward_unavailable
-            rewards = asyncio.run(score_responses(ds.reward, items, suite.remote_reward))
+            rewards = asyncio.run(score_responses(ds.reward, items, suite.remote_reward, suite.miles_args(ds)))
         scored = [
             ScoredSample(
                 prompt_index=g.prompt_index,

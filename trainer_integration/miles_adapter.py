@@ -12,7 +12,8 @@ Contract:
   (miles owns and retires the directory; pinned-eval never deletes it). It polls the flow run to
   a terminal state:
   * Completed → `RolloutFnEvalOutput(data={ds: {"rewards", "truncated", "weight_versions",
-    "response_lens"}}, metrics=...)`, per-sample data read from the point's samples artifact
+    "response_lens", "samples"}}, metrics=...)` (`samples`: `trainer_integration.miles_samples`,
+    what `--save-debug-rollout-data` saves), per-sample data read from the point's samples artifact
     (`samples_artifact_key`), metrics from the point's table artifact (dataset-level keys only:
     miles adds its own lag/duration/step);
   * Completed named "Skipped" → raises miles' `EvalSkip(reason)` (`MilesEvalSkip` without miles);
@@ -49,6 +50,7 @@ from pinned_eval.points import (
 )
 from pinned_eval.polling import PollTimeout, apoll_until
 from pinned_eval.settings import PrefectApiSettings
+from trainer_integration.miles_samples import miles_samples
 from trainer_integration.rest import auth_headers
 
 try:  # pragma: no cover - only where miles is installed
@@ -272,7 +274,8 @@ async def collect_point(rest: PinnedEvalREST, outcome: PointOutcome, step: int) 
                 if k.startswith("eval/") and k not in POINT_KEYS and isinstance(v, int | float)
             }
         )
-    return RolloutFnEvalOutput(data={ds: res.to_miles() for ds, res in data.items()}, metrics=metrics)
+    out = {ds: {**res.to_miles(), "samples": miles_samples(res)} for ds, res in data.items()}
+    return RolloutFnEvalOutput(data=out, metrics=metrics)
 
 
 class PinnedEvalFn(_MilesBase):

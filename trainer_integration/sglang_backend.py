@@ -289,7 +289,7 @@ class SGLangCheckpointEval(CheckpointEvalFn):
             return sample, j, result
 
         done = await asyncio.gather(*(one(s, j) for s in rows for j in range(ds.n_samples_per_prompt)))
-        items = [RewardItem(prompts[s.index].text, r.text, str(s.label), s.metadata) for s, _, r in done]
+        items = [RewardItem(prompts[s.index].text, r.text, s.label, s.metadata) for s, _, r in done]
         rewards = await score_responses(ds.reward, items, input.suite.remote_reward)  # none → reward_unavailable
         scored = [
             ScoredSample(

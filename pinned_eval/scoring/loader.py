@@ -4,7 +4,8 @@ Contract:
 - `EvalSample.index` is the 0-based position among the loaded rows (blank JSONL lines skipped);
   `max_prompts` keeps the first N rows.
 - `prompt` is a string, or (only with `apply_chat_template`) a list of `{role, content}` messages.
-- `label` is a string; integer and float labels are converted with `str()` (JSON `7` -> "7").
+- `label` keeps its JSON type, a string or a number (JSON `7` stays the int 7), as miles hands it
+  to its rewards (an int `0` label scores 0 in `math`; an int label is refused by `f1`).
 - `metadata`: with `metadata_key`, the row's object under that key (a mapping, or a JSON object
   string as Parquet exports often hold; null is {}; the key must exist); without it, every other column of
   the row, unchanged. `metadata_overrides` are then set on it (miles `inject_metadata`).
@@ -39,7 +40,7 @@ class EvalSample:
 
     index: int
     prompt: str | list[dict[str, Any]]
-    label: str
+    label: str | int | float
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -121,7 +122,7 @@ def _to_sample(index: int, where: str, row: Any, spec: ResolvedDataset) -> EvalS
     if isinstance(label, bool) or not isinstance(label, str | int | float):
         raise DatasetError(f"{where}: key {spec.label_key!r} must be a string or a number, got {label!r:.80}")
     metadata = _metadata(where, row, spec)
-    return EvalSample(index=index, prompt=prompt, label=str(label), metadata=metadata)
+    return EvalSample(index=index, prompt=prompt, label=label, metadata=metadata)
 
 
 def _metadata(where: str, row: dict[str, Any], spec: ResolvedDataset) -> dict[str, Any]:

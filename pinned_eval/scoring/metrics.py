@@ -54,7 +54,7 @@ class ScoredSample:
         prompt_index: int,
         sample_index: int,
         response: str,
-        label: str,
+        label: str | int | float,
         response_len: int,
         finish_reason: str | None,
         weight_version: str | None,

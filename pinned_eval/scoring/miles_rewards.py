@@ -1,99 +1,97 @@
-"""miles' offline rm types beyond `math`/`f1`: `deepscaler`, `dapo` and `gpqa` (own implementations
-of the behaviour miles' `rm_hub` documents; all `(response, label, metadata=None) -> float`).
+"""miles' answer-text rm types: `dapo` and `f1` (and their `boxed_` forms, built in `rewards`).
 
-- `deepscaler`: only the text after the first `</think>` (else after `###Response`) is graded;
-  a response with neither scores 0.0. That text's last `\\boxed{}` answer is graded against the
-  label like `math` (1.0 / 0.0).
-- `dapo`: DAPO's rule on the last 300 characters: the last `Answer: <x>` line is the prediction,
-  normalised like `math` and compared to the label; returns DAPO's `score`, +1.0 when correct and
-  -1.0 otherwise (miles users log `--reward-key score`; pass@k counts +1.0 as a success).
-- `gpqa`: multiple choice. The valid letters are `metadata["valid_letters"]` (a string or list),
-  else one per `metadata["choices"]`, else A-D. The correct letter is the label when it is one of
-  them, else `metadata["correct_letter"]`, else the letter of the choice whose text equals the
-  label. The prediction is the last `\\boxed{X}`, else the last "answer is (X)" / "Answer: X",
-  else the response when it is a lone letter. 1.0 iff prediction == correct letter. A row whose
-  correct letter cannot be determined raises `ValueError` naming the metadata keys (a dataset
-  bug, not a wrong answer).
+- `dapo`: DAPO's rule on the last 300 characters of the response (`<|im_end|>` dropped first):
+  the last `Answer: <x>` line (case-insensitive) is the prediction ("[INVALID]" without one).
+  Prediction and label go through `dapo_normalize` (the text after the last `=`, units,
+  `\\text{}`, `$` dropped, `\\fracab` and `\\sqrta` braced, digit-only thousands commas removed);
+  the normalised label is then read as a number, `str(int(float(label)))` (`0.5` -> `0`, `1e3` ->
+  `1000`, `$5$` -> `5`), and the two must be equal strings (`0.0` is not `0`). A label that is not
+  a number is refused (`RewardRefused`; miles raises ValueError). Returns DAPO's `score`: +1.0
+  correct, -1.0 otherwise (miles users log `--reward-key score`).
+- `f1`: SQuAD token F1 (lower case, punctuation and articles dropped). When either normalised side
+  is `yes`, `no` or `noanswer`, the other must be the same or the score is 0.0; no common token
+  (both empty included) is 0.0. A label that is not a string is refused (miles raises).
 """
 
 from __future__ import annotations
 
 import re
+import string
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from pinned_eval.scoring.rewards import _as_number, extract_boxed, math_answer, normalize_math_answer
+from pinned_eval.scoring.answers import Label, RewardRefused, require_str_label
 
-_THINK_END, _RESPONSE_MARK = "</think>", "###Response"
+# ---------------------------------------------------------------------------- dapo
+
 _DAPO_TAIL = 300
+_END_OF_TURN = "<|im_end|>"  # a chat template's end-of-turn token left in the response: dropped
 _DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_DAPO_SUBSTITUTIONS = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
+                       ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_DAPO_REMOVED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+                 "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
+                 "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
+                 "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
+                 "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots")
 
 
-def deepscaler(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
-    """See the module docstring."""
-    for mark in (_THINK_END, _RESPONSE_MARK):
-        if mark in response:
-            return math_answer(response.split(mark, 1)[1], label)
-    return 0.0
+def dapo_normalize(answer: str) -> str:
+    """DAPO's final-answer normalisation (see the module docstring)."""
+    answer = answer.split("=")[-1]
+    for old, new in _DAPO_SUBSTITUTIONS:
+        answer = answer.replace(old, new)
+    for gone in _DAPO_REMOVED:
+        answer = answer.replace(gone, "")
+    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)
+    for cmd in ("text", "textbf", "overline"):
+        answer = re.sub(rf"(\\{cmd}\{{)(.*?)(\}})", "\\2", answer)
+    answer = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", answer)
+    answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)
+    answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
 
 
-def dapo(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
-    """See the module docstring."""
-    found = _DAPO_ANSWER.findall(response[-_DAPO_TAIL:])
-    if not found or not label.strip():
-        return -1.0
-    pred, gold = normalize_math_answer(found[-1]), normalize_math_answer(label)
-    if pred == gold and pred:
-        return 1.0
-    p, g = _as_number(pred), _as_number(gold)
-    return 1.0 if p is not None and g is not None and p == g else -1.0
+def _dapo_truth(label: Label) -> str:
+    try:
+        return str(int(float(dapo_normalize(str(label)))))
+    except (ValueError, OverflowError) as exc:
+        raise RewardRefused(f"dapo: label {label!r:.80} is not a number (miles reads it as int(float(label)))") from exc
 
 
-def gpqa(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
-    """See the module docstring."""
-    meta = metadata or {}
-    letters = _valid_letters(meta)
-    correct = _correct_letter(label, meta, letters)
-    return 1.0 if _predicted_letter(response, letters) == correct else 0.0
+def dapo(response: str, label: Label, metadata: Mapping[str, Any] | None = None) -> float:
+    """miles' `dapo` score (see the module docstring)."""
+    truth = _dapo_truth(label)
+    found = _DAPO_ANSWER.findall(response.replace(_END_OF_TURN, "")[-_DAPO_TAIL:])
+    pred = dapo_normalize(found[-1] if found else "[INVALID]")
+    return 1.0 if pred == truth else -1.0
 
 
-def _valid_letters(meta: Mapping[str, Any]) -> str:
-    valid = meta.get("valid_letters")
-    if valid:
-        return "".join(str(v).strip().upper() for v in valid)
-    choices = meta.get("choices")
-    if isinstance(choices, list | tuple) and choices:
-        return "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: len(choices)]
-    return "ABCD"
+# ---------------------------------------------------------------------------- f1
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+_CLOSED_ANSWERS = ("yes", "no", "noanswer")
 
 
-def _correct_letter(label: str, meta: Mapping[str, Any], letters: str) -> str:
-    stripped = label.strip().strip("()").upper()
-    if len(stripped) == 1 and stripped in letters:
-        return stripped
-    given = str(meta.get("correct_letter") or "").strip().upper()
-    if len(given) == 1 and given in letters:
-        return given
-    choices = meta.get("choices")
-    if isinstance(choices, list | tuple):
-        for letter, choice in zip(letters, choices, strict=False):
-            if str(choice).strip() == label.strip():
-                return letter
-    raise ValueError(
-        f"gpqa: label {label!r:.80} is not one of the letters {letters!r} and neither "
-        "metadata['correct_letter'] nor metadata['choices'] identifies the correct letter"
-    )
+def normalize_f1_text(text: str) -> str:
+    """SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
 
 
-def _predicted_letter(response: str, letters: str) -> str | None:
-    boxed = extract_boxed(response)
-    if boxed is not None:
-        cand = re.sub(r"\\text\{([^{}]*)\}", r"\1", boxed).strip().strip("()").upper()
-        if len(cand) == 1 and cand in letters:
-            return cand
-    pattern = rf"(?i)(?:answer\s*(?:is|:)\s*\(?\s*)([{letters}])\b"
-    found = re.findall(pattern, response)
-    if found:
-        return str(found[-1]).upper()
-    lone = response.strip().strip("().").upper()
-    return lone if len(lone) == 1 and lone in letters else None
+def f1(response: str, label: Label, metadata: Mapping[str, Any] | None = None) -> float:
+    """miles' `f1` (see the module docstring)."""
+    pred, gold = normalize_f1_text(response), normalize_f1_text(require_str_label("f1", label))
+    if (pred in _CLOSED_ANSWERS or gold in _CLOSED_ANSWERS) and pred != gold:
+        return 0.0
+    pred_tokens, gold_tokens = pred.split(), gold.split()
+    common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)

@@ -47,6 +47,7 @@ from pydantic import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from pinned_eval.scoring.miles_custom import score_with_sample
 from pinned_eval.scoring.rewards import REMOTE_REWARD, get_reward
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -134,7 +135,7 @@ class RewardItem:
 
     prompt: str
     response: str
-    label: str
+    label: str | int | float
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -215,12 +216,15 @@ _MISSING = object()
 
 
 async def score_responses(
-    reward: str, items: Sequence[RewardItem], remote: RemoteRewardConfig | None = None
+    reward: str, items: Sequence[RewardItem], remote: RemoteRewardConfig | None = None, args: Any = None
 ) -> list[float | None]:
-    """One reward per item, in order: `reward` names a built-in/custom reward or `remote_rm`."""
+    """One reward per item, in order: `reward` names a built-in/custom reward or `remote_rm`;
+    `args` is the namespace a miles `async (args, sample)` reward gets (`EvalSuite.miles_args`)."""
     if reward == REMOTE_REWARD:
         if remote is None:
             raise ValueError("remote_reward: reward 'remote_rm' needs the suite's remote_reward (url, ...)")
         return await RemoteReward(remote).score(items)
     fn = get_reward(reward)
+    if getattr(fn, "takes_sample", False):  # miles' async (args, sample): also gets the prompt and args
+        return [score_with_sample(fn, it.response, it.label, it.metadata, prompt=it.prompt, args=args) for it in items]
     return [fn(it.response, it.label, it.metadata) for it in items]

@@ -1,19 +1,24 @@
 """Reward functions `(response, label, metadata=None) -> float | None` and their registry.
 
-`metadata` is the row's metadata (see `pinned_eval.scoring.loader`); rewards that need it (e.g.
-`gpqa`) read it, the others ignore it. Rules (each documented on its function):
-- `exact_match`: 1.0 when the response's first token equals the label, else 0.0.
-- `math`: 1.0 when the last `\\boxed{...}` of the response equals the label after normalisation
-  (strings, or numbers compared exactly as fractions), else 0.0; no `\\boxed{}` scores 0.0
-  (miles' verl-style grader does the same).
-- `f1`: SQuAD token-level F1 in [0, 1].
-- miles' rm types `deepscaler`, `dapo`, `gpqa`: see `pinned_eval.scoring.miles_rewards`.
+`label` keeps its JSON type (str, int or float) as miles sees it (custom rewards too); `metadata` is the row's
+metadata (see `pinned_eval.scoring.loader`). Rewards (each documented in its module):
+- miles' rm types, scored as miles' `rm_hub.async_rm` at 31f1ca9 does (docs/rewards.md):
+  `math`, `deepscaler`, `gemma_math` (`math_rewards`), `dapo`, `f1` (`miles_rewards`), `gpqa`
+  (`choice_rewards`), and the `boxed_` forms `boxed_dapo`, `boxed_f1`, `boxed_gpqa` (the rm
+  type applied to the content of the response's last `\\boxed{}`, "" without one). `boxed_math`
+  grades like `math` (miles scores 0 on every row: a documented divergence, warned at load).
+  Where miles raises on a row, the reward raises `RewardRefused` (the point is skipped as
+  `reward_unavailable`, never scored).
+- `ifbench`: refused by `check_reward_name` (its instruction data is not installable here).
+- `exact_match`: pinned-eval's own (not a miles rm type: refused under `strict_miles`): 1.0 when
+  the response's first token equals the label, else 0.0.
 - `remote_rm`: a scoring service (miles' `--rm-url`); scored by `pinned_eval.scoring.remote`,
   so `get_reward("remote_rm")` raises.
 - `custom:<module:function>` or `custom:<module.function>`: any importable function
   `(response, label)` or `(response, label, metadata)` (a third parameter gets the row's
-  metadata). It must return a real number or None (None is counted as a none-reward by the
-  metrics); anything else raises `RewardTypeError`. Exceptions it raises propagate unchanged —
+  metadata), or miles' `async def f(args, sample)` (`pinned_eval.scoring.miles_custom`). It must
+  return a real number or None (None is counted as a none-reward by the metrics); anything else
+  raises `RewardTypeError`. Exceptions it raises propagate unchanged —
   the eval-point flow turns them into a `crashed` point.
 `check_reward_name` validates a name's syntax without importing anything (custom modules may only
 exist where the flow runs); `get_reward` imports and returns the callable.
@@ -25,37 +30,31 @@ import importlib
 import inspect
 import numbers
 import re
-import string
-from collections import Counter
 from collections.abc import Callable, Mapping
-from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any
 
+from pinned_eval.scoring.answers import Label, RewardFn, RewardRefused, RewardTypeError, boxed_content
+from pinned_eval.scoring.choice_rewards import gpqa
+from pinned_eval.scoring.math_rewards import boxed_math, deepscaler, gemma_math, math_answer
+from pinned_eval.scoring.miles_custom import is_miles_sample_reward, miles_sample_reward
+from pinned_eval.scoring.miles_rewards import dapo, f1
 
-class RewardFn(Protocol):
-    """A reward: `metadata` is the row's metadata (optional for callers)."""
-
-    def __call__(self, response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float | None: ...
-
+__all__ = ["RewardFn", "RewardRefused", "check_reward_name", "exact_match", "get_reward"]
 
 CUSTOM_PREFIX = "custom:"
 REMOTE_REWARD = "remote_rm"
 _CUSTOM_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)$")
 
 
-class RewardTypeError(TypeError):
-    """A custom reward returned something that is neither a real number nor None."""
-
-
 # ---------------------------------------------------------------------------- exact match
 
 
-def exact_match(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
+def exact_match(response: str, label: Label, metadata: Mapping[str, Any] | None = None) -> float:
     """1.0 iff the first whitespace-separated token of the response's first non-empty line equals
     the stripped label. So "7", " 7\\n3+4=7" and "7 is it" all match label "7"; "77" and "" do not.
     """
-    target = label.strip()
+    target = str(label).strip()
     for line in response.strip().splitlines():
         tokens = line.split()
         if tokens:
@@ -63,151 +62,45 @@ def exact_match(response: str, label: str, metadata: Mapping[str, Any] | None = 
     return 1.0 if target == "" else 0.0
 
 
-# ---------------------------------------------------------------------------- math
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` (nested braces kept), or `\\boxed 5`; None
-    when there is none or its braces are unbalanced."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    if text.startswith(" ", i):  # "\boxed 5" form: up to the next space or "$"
-        return re.split(r"[\s$]", text[i + 1 :], maxsplit=1)[0] or None
-    if not text.startswith("{", i):
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
-
-
-_REPLACEMENTS = (
-    ("\n", " "),
-    ("$", ""),
-    ("\\left", ""),
-    ("\\right", ""),
-    ("\\!", ""),
-    ("\\,", " "),
-    ("\\;", " "),
-    ("^{\\circ}", ""),
-    ("^\\circ", ""),
-    ("\\%", ""),
-    ("%", ""),
-    ("\\dfrac", "\\frac"),
-    ("\\tfrac", "\\frac"),
-)
-_NUMBER = r"-?(?:\d+(?:\.\d*)?|\.\d+)"
-_THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_TEXT_CMD = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}")
-_NUMBER_THEN_UNITS = re.compile(
-    rf"^({_NUMBER})(?:\s*\\(?:text|mbox|mathrm)\{{[^{{}}]*\}}|\s+[A-Za-z][A-Za-z ]*)$"
-)
-_FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
-_FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
-_SQRT_SHORT = re.compile(r"\\sqrt(\w)")
-
-
-def _paren(part: str) -> str:
-    return part if re.fullmatch(r"[\w.]+", part) else f"({part})"
-
-
-def normalize_math_answer(answer: str) -> str:
-    """Canonical string form of a math answer. Applied, in order: take the `\\boxed{}` content if
-    any; drop `$`, newlines, `\\left`/`\\right`, thin spaces (`\\!`, `\\,`, `\\;`), degrees and `%`;
-    drop units after a number (`5\\text{ cm}`, `5 cm`); unwrap `\\text{}`/`\\mbox{}`/`\\mathrm{}`;
-    `\\dfrac`/`\\tfrac` -> `\\frac`; `\\frac{a}{b}` and `\\frac12` -> `a/b` (non-atomic parts
-    parenthesised); `\\sqrt2` -> `\\sqrt{2}`; remove spaces; `x=5` -> `5` (short left side);
-    thousands commas (`1,000` -> `1000`); trailing `.`; trailing `.0…` on integers.
-    """
-    s = answer.strip()
-    boxed = extract_boxed(s)
-    if boxed is not None:
-        s = boxed
-    for old, new in _REPLACEMENTS:
-        s = s.replace(old, new)
-    s = s.strip().rstrip(".").strip()
-    units = _NUMBER_THEN_UNITS.match(s)
-    if units:
-        s = units.group(1)
-    s = _TEXT_CMD.sub(r"\1", s)
-    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    while (m := _FRAC.search(s)) is not None:
-        s = s[: m.start()] + f"{_paren(m.group(1).strip())}/{_paren(m.group(2).strip())}" + s[m.end() :]
-    s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)
-    s = s.replace(" ", "")
-    if s.count("=") == 1 and len(s.split("=")[0]) <= 2:
-        s = s.split("=")[1]
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
-    s = s.rstrip(".")
-    s = re.sub(r"^(-?\d+)\.0+$", r"\1", s)
-    return s
-
-
-def _as_number(s: str) -> Fraction | None:
-    if not re.fullmatch(rf"{_NUMBER}(?:/{_NUMBER})?", s):
-        return None
-    num, _, den = s.partition("/")
-    try:
-        return Fraction(num) / Fraction(den) if den else Fraction(num)
-    except ZeroDivisionError:
-        return None
-
-
-def math_answer(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
-    """1.0 iff the response's last `\\boxed{}` answer equals the label after
-    `normalize_math_answer`, either as strings or as exact numbers (so `\\frac{1}{2}` == `0.5` ==
-    `1/2`, `1,000` == `1000.0`); 0.0 when the response has no `\\boxed{}`."""
-    boxed = extract_boxed(response)
-    if boxed is None:
-        return 0.0
-    pred, gold = normalize_math_answer(boxed), normalize_math_answer(label)
-    if pred == gold and pred != "":
-        return 1.0
-    p, g = _as_number(pred), _as_number(gold)
-    return 1.0 if p is not None and g is not None and p == g else 0.0
-
-
-# ---------------------------------------------------------------------------- f1
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-def normalize_f1_text(text: str) -> str:
-    """SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
-    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCT)).split())
-
-
-def f1(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float:
-    """SQuAD token F1 between response and label; if either side has no tokens, 1.0 iff both empty."""
-    pred, gold = normalize_f1_text(response).split(), normalize_f1_text(label).split()
-    if not pred or not gold:
-        return float(pred == gold)
-    common = sum((Counter(pred) & Counter(gold)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
 # ---------------------------------------------------------------------------- registry
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_answer, "f1": f1}
-# miles' rm types implemented in pinned_eval.scoring.miles_rewards (imported on first use)
-MILES_REWARDS = ("deepscaler", "dapo", "gpqa")
-REWARD_NAMES = (*BUILTIN_REWARDS, *MILES_REWARDS, REMOTE_REWARD)
+
+def _boxed(fn: RewardFn) -> RewardFn:
+    def reward(response: str, label: Label, metadata: Mapping[str, Any] | None = None) -> float | None:
+        return fn(boxed_content(response), label, metadata)
+
+    return reward
 
 
-def check_reward_name(name: str) -> str:
-    """Validate a reward name's syntax (no import); return it unchanged."""
+_MILES_BASE: dict[str, RewardFn] = {"math": math_answer, "deepscaler": deepscaler, "gemma_math": gemma_math,
+                                    "dapo": dapo, "f1": f1, "gpqa": gpqa}
+MILES_REWARDS: dict[str, RewardFn] = {
+    **_MILES_BASE,
+    "boxed_math": boxed_math,
+    **{f"boxed_{name}": _boxed(_MILES_BASE[name]) for name in ("dapo", "f1", "gpqa")},
+}
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, **MILES_REWARDS}
+REWARD_NAMES = (*BUILTIN_REWARDS, REMOTE_REWARD)
+# rm types miles has whose result pinned-eval deliberately does not reproduce (warned at config load)
+MILES_DIVERGENCES = {
+    "boxed_math": "miles' boxed_math scores 0 on every row (it hands the box's content to `math`, which "
+    "needs a box); pinned-eval grades the last box like `math`",
+}
+_REFUSED = {
+    "ifbench": "reward 'ifbench': not supported: IFBench's instruction checkers need the allenai/IFBench "
+    "code and NLTK data (punkt, POS tagger) that are not installable here",
+}
+
+
+def check_reward_name(name: str, *, strict_miles: bool = False) -> str:
+    """Validate a reward name's syntax (no import); return it unchanged. With `strict_miles`, only
+    rm types miles itself knows are accepted (`exact_match` and `custom:` are pinned-eval's)."""
+    if name in _REFUSED:
+        raise ValueError(_REFUSED[name])
+    if strict_miles and name not in (*MILES_REWARDS, REMOTE_REWARD):
+        raise ValueError(
+            f"reward {name!r}: not a miles rm_type (strict_miles: use one of {sorted((*MILES_REWARDS, REMOTE_REWARD))})"
+        )
     if name in REWARD_NAMES:
         return name
     if name.startswith(CUSTOM_PREFIX):
@@ -225,11 +118,6 @@ def get_reward(name: str) -> RewardFn:
     check_reward_name(name)
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
-    if name in MILES_REWARDS:
-        from pinned_eval.scoring import miles_rewards
-
-        fn: RewardFn = getattr(miles_rewards, name)
-        return fn
     if name == REMOTE_REWARD:
         raise ValueError("reward 'remote_rm' is scored by pinned_eval.scoring.remote.score_responses")
     dotted = name.removeprefix(CUSTOM_PREFIX)
@@ -243,6 +131,9 @@ def get_reward(name: str) -> RewardFn:
     custom = getattr(module, attr, None)
     if not callable(custom):
         raise ValueError(f"reward {name!r}: {module_name!r} has no callable {attr!r}")
+    if is_miles_sample_reward(custom):  # miles' --custom-rm-path form: async (args, sample)
+        fn: RewardFn = miles_sample_reward(name, custom)
+        return fn
     return _checked(name, custom)
 
 
@@ -259,7 +150,7 @@ def _takes_metadata(fn: Callable[..., object]) -> bool:
 def _checked(name: str, fn: Callable[..., object]) -> RewardFn:
     with_metadata = _takes_metadata(fn)
 
-    def reward(response: str, label: str, metadata: Mapping[str, Any] | None = None) -> float | None:
+    def reward(response: str, label: Label, metadata: Mapping[str, Any] | None = None) -> float | None:
         # exceptions propagate: the flow records a crashed point
         value = fn(response, label, dict(metadata or {})) if with_metadata else fn(response, label)
         if value is None:

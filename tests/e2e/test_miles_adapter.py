@@ -96,6 +96,9 @@ def test_measured_point_reads_back_miles_shaped_results(prefect_server: str, tin
     for ds, d in out.data.items():
         assert len(d["rewards"]) == len(d["truncated"]) == 6
         assert set(d["weight_versions"]) == {str(step)}
+        assert [(x.index, x.reward, x.weight_versions) for x in d["samples"]] == [
+            (i, r, [str(step)]) for i, r in enumerate(d["rewards"])
+        ]  # miles' samples key (--save-debug-rollout-data)
         assert sum(d["rewards"]) / 6 == pytest.approx(per_dataset[ds][f"eval/{ds}"])
         assert out.metrics[f"eval/{ds}/weight_version/mean"] == step
         assert out.metrics[f"eval/{ds}/weight_version/mixed_version_ratio"] == 0

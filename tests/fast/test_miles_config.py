@@ -52,14 +52,14 @@ def test_remote_rm_without_a_scoring_service_is_refused() -> None:
 
 
 def test_delegate_section_is_refused_naming_its_key() -> None:
-    with pytest.raises(ValueError, match=r"^eval\.delegate\[0\]\.url: not supported .*external posture"):
+    with pytest.raises(ValueError, match=r"^eval\.delegate: not supported .*external posture"):
         EvalSuite.from_miles_yaml(CONFIGS / "with_delegate.yaml")
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        ({"rm_type": "ifbench"}, r"eval\.datasets\[1\]\.rm_type: 'ifbench' not supported"),
+        ({"rm_type": "ifbench"}, r"eval\.datasets\[1\]\.rm_type: reward 'ifbench': not supported: IFBench"),
         ({"tool_key": "tools"}, r"eval\.datasets\[1\]\.tool_key: not supported"),
         ({"stop_token_ids": [151643]}, r"eval\.datasets\[1\]\.stop_token_ids: not supported"),
         ({"custom_generate_function_path": "my.gen"}, r"eval\.datasets\[1\]\.custom_generate_function_path"),
@@ -84,8 +84,8 @@ def test_unsupported_dataset_keys_are_refused_by_path(edit: dict, message: str) 
     ("cfg", "message"),
     [
         ({"eval": {"datasets": {"a": {"path": "/a"}}}, "rollout": {"batch": 1}}, r"^rollout: not supported next"),
-        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": {"url": "http://x"}}}, r"^eval\.delegate\.url: not"),
-        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": ["skills"]}}, r"^eval\.delegate\[0\]: not"),
+        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": {"url": "http://x"}}}, r"^eval\.delegate: not"),
+        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": ["skills"]}}, r"^eval\.delegate: not"),
         ({"eval": {"datasets": {"a": {"path": "/a", "temprature": 0.3}}}}, r"^eval\.datasets\.a\.temprature: not"),
         ({"eval": {"defaults": {"n_samples_per_eval_prompt": 4, "tool_key": "t"}, "datasets": {"a": {"path": "/a"}}}},
          r"^eval\.defaults\.tool_key: not supported"),
@@ -112,7 +112,7 @@ def test_metadata_key_reads_the_rows_metadata_object_and_applies_overrides(tmp_p
     )
     cfg = {"datasets": [{"name": "d", "path": "d.jsonl", "label_key": "answer", "metadata_key": "extra_info",
                          "metadata_overrides": {"split": "test"}}]}  # fmt: skip
-    [ds] = EvalSuite.from_miles_yaml(json.dumps(cfg), base_dir=str(tmp_path)).resolved()
+    [ds] = EvalSuite.from_miles_yaml(json.dumps(cfg), base_dir=str(tmp_path), rm_type="f1").resolved()
     assert [s.metadata for s in load_dataset(ds)] == [
         {"choices": ["x", "y"], "split": "test"},
         {"choices": ["z"], "split": "test"},
@@ -131,7 +131,7 @@ def test_metadata_key_reads_the_rows_metadata_object_and_applies_overrides(tmp_p
 def test_bad_metadata_is_named(tmp_path: Path, row: dict, message: str) -> None:
     _jsonl(tmp_path / "d.jsonl", [row])
     cfg = {"datasets": [{"name": "d", "path": "d.jsonl", "metadata_key": "meta"}]}
-    [ds] = EvalSuite.from_miles_yaml(json.dumps(cfg), base_dir=str(tmp_path)).resolved()
+    [ds] = EvalSuite.from_miles_yaml(json.dumps(cfg), base_dir=str(tmp_path), rm_type="f1").resolved()
     with pytest.raises(ValueError, match=message):
         load_dataset(ds)
 

@@ -10,7 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pinned_eval.scoring.miles_rewards import dapo, deepscaler, gpqa
+from pinned_eval.scoring.answers import RewardRefused
+from pinned_eval.scoring.choice_rewards import gpqa
+from pinned_eval.scoring.math_rewards import deepscaler
+from pinned_eval.scoring.miles_rewards import dapo
 from pinned_eval.scoring.rewards import REWARD_NAMES, check_reward_name, get_reward
 
 
@@ -32,7 +35,9 @@ def test_deepscaler(response: str, label: str, expected: float) -> None:
     ("response", "label", "expected"),
     [
         ("work...\nAnswer: 42", "42", 1.0),
-        ("Answer: 41\nwait, Answer: $\\frac{1}{2}$", "0.5", 1.0),  # the last Answer: line wins
+        ("Answer: 41\nwait, Answer: $7$", "7", 1.0),  # the last Answer: line wins
+        ("Answer: 0", "0.5", 1.0),  # miles reads the label as int(float(label))
+        ("Answer: 0.0", "0", -1.0),
         ("Answer: 42\nactually Answer: 7", "42", -1.0),
         ("the result is 42", "42", -1.0),  # no Answer: line
         ("Answer: 42" + " filler" * 60, "42", -1.0),  # outside the last 300 characters
@@ -49,7 +54,8 @@ def test_dapo_scores_plus_minus_one(response: str, label: str, expected: float) 
         ("The answer is (B).", "B", {}, 1.0),
         ("Answer: c", "C", {}, 1.0),
         ("so \\boxed{D}", "D", {}, 1.0),
-        ("Answer: Because it is A", "B", {}, 0.0),  # "Because" is not a letter choice; A is
+        ("Answer: Because it is A", "B", {}, 1.0),  # miles reads the B of "Because"
+        ("Option A is wrong. Answer: B", "B", {}, 0.0),  # `option X` is tried first
         ("B", "B", {}, 1.0),
         ("The answer is (E)", "A", {}, 0.0),  # E is not among A-D
         ("The answer is (E)", "E", {"choices": ["1", "2", "3", "4", "5"]}, 1.0),
@@ -63,9 +69,14 @@ def test_gpqa_reads_choices_from_metadata(response: str, label: str, metadata: d
     assert gpqa(response, label, metadata) == expected
 
 
-def test_gpqa_without_a_correct_letter_names_the_metadata_keys() -> None:
-    with pytest.raises(ValueError, match=r"gpqa: label 'photosynthesis'.*correct_letter.*choices"):
-        gpqa("Answer: A", "photosynthesis", {})
+def test_gpqa_without_a_correct_letter_falls_back_to_the_label_text() -> None:
+    assert gpqa("It is photosynthesis.", "photosynthesis", {}) == 1.0
+    assert gpqa("It is respiration.", "photosynthesis", {}) == 0.0
+
+
+def test_dapo_refuses_a_label_that_is_not_a_number() -> None:
+    with pytest.raises(RewardRefused, match="dapo: label 'five' is not a number"):
+        dapo("Answer: 5", "five")
 
 
 @given(st.sampled_from("ABCD"), st.sampled_from("ABCD"))

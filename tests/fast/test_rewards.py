@@ -11,15 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pinned_eval.scoring.answers import last_boxed
+from pinned_eval.scoring.math_rewards import math_answer
+from pinned_eval.scoring.miles_rewards import f1
 from pinned_eval.scoring.rewards import (
     RewardTypeError,
     check_reward_name,
     exact_match,
-    extract_boxed,
-    f1,
     get_reward,
-    math_answer,
-    normalize_math_answer,
 )
 
 _module_ids = itertools.count()
@@ -56,39 +55,14 @@ def test_exact_match_any_suffix_after_whitespace(answer: int, tail: str) -> None
         ("the answer is \\boxed{42}.", "42"),
         ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
         ("\\boxed{\\{1, {2}\\}}", "\\{1, {2}\\}"),
-        ("$\\boxed 7$", "7"),
-        ("\\fbox{x}", "x"),
+        ("$\\boxed 7$", None),  # miles reads no box without braces
+        ("\\fbox{x}", None),
         ("\\boxed{unbalanced", None),
         ("no box here", None),
     ],
 )
-def test_extract_boxed(text: str, expected: str | None) -> None:
-    assert extract_boxed(text) == expected
-
-
-@pytest.mark.parametrize(
-    ("raw", "expected"),
-    [
-        ("$42$", "42"),
-        ("42.0", "42"),
-        ("42.", "42"),
-        ("1,234,567", "1234567"),
-        ("\\frac{3}{4}", "3/4"),
-        ("\\dfrac{x+1}{2}", "(x+1)/2"),
-        ("\\frac12", "1/2"),
-        ("\\left( 1, 2 \\right)", "(1,2)"),
-        ("5 \\text{ cm}", "5"),
-        ("5 meters", "5"),
-        ("\\text{yes}", "yes"),
-        ("90^\\circ", "90"),
-        ("50\\%", "50"),
-        ("x = 3", "3"),
-        ("\\sqrt2", "\\sqrt{2}"),
-        ("(1,234)", "(1,234)"),
-    ],
-)
-def test_normalize_math_answer(raw: str, expected: str) -> None:
-    assert normalize_math_answer(raw) == expected
+def test_last_boxed(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -101,20 +75,25 @@ def test_normalize_math_answer(raw: str, expected: str) -> None:
         ("\\boxed{1,000}", "1000", 1.0),
         ("\\boxed{-3}", "-3.00", 1.0),
         ("\\boxed{\\left(1,2\\right)}", "(1, 2)", 1.0),
-        ("\\boxed{12 \\text{ apples}}", "12", 1.0),
-        ("\\boxed{x=5}", "$5$", 1.0),
+        ("\\boxed{x=5}", "5", 1.0),
+        ("\\boxed{x=5}", "$5$", 0.0),  # miles: `x=` is dropped by one normaliser, `$` by the other
+        ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),  # symbolic equivalence
+        ("\\boxed{2\\sqrt2}", "\\sqrt{8}", 1.0),
+        ("\\boxed{6/8}", "3/4", 0.0),  # an unreduced fraction is wrong
         ("$\\boxed{0.333}$", "\\frac{1}{3}", 0.0),
         ("the answer is 42", "42", 0.0),
+        ("\\boxed 42", "42", 0.0),
         ("\\boxed{43}", "42", 0.0),
         ("\\boxed{}", "", 0.0),
-        ("\\boxed{1/0}", "1/0", 1.0),
+        ("\\boxed{0}", 0, 0.0),  # miles: a falsy label scores 0
+        ("\\boxed{5}", 5, 1.0),
     ],
 )
-def test_math_answer(response: str, label: str, expected: float) -> None:
+def test_math_answer(response: str, label: str | int, expected: float) -> None:
     assert math_answer(response, label) == expected
 
 
-@given(st.integers(-(10**9), 10**9))
+@given(st.integers(-(10**9) + 1, 10**9 - 1))  # miles' comma rule misreads 1,000,000,000
 def test_math_answer_integer_forms_agree(n: int) -> None:
     assert math_answer(f"\\boxed{{{n:,}}}", str(n)) == 1.0
     assert math_answer(f"\\boxed{{{n}.0}}", str(n)) == 1.0
@@ -126,7 +105,8 @@ def test_math_answer_integer_forms_agree(n: int) -> None:
     [
         ("The Eiffel Tower!", "eiffel tower", 1.0),
         ("Paris France", "Paris", 2 * (0.5 * 1.0) / 1.5),
-        ("a the", "", 1.0),
+        ("a the", "", 0.0),  # no common token, both empty included
+        ("yes", "yes it is", 0.0),  # yes/no/noanswer must match exactly
         ("", "x", 0.0),
         ("blue", "red", 0.0),
         ("the cat sat on the mat", "a cat on a mat", 2 * 0.75 * 1.0 / 1.75),

@@ -306,9 +306,9 @@ def test_jsonl_loader_labels_metadata_and_cap(tmp_path: Path) -> None:
     path.write_text(path.read_text() + "\n\n" + json.dumps({"q": "3+3=", "a": 6.5}) + "\n")
     samples = load_dataset(_resolved(path, input_key="q", label_key="a"))
     assert [(s.index, s.prompt, s.label, s.metadata) for s in samples] == [
-        (0, "1+1=", "2", {"src": "x"}),
+        (0, "1+1=", 2, {"src": "x"}),
         (1, "2+2=", "4", {}),
-        (2, "3+3=", "6.5", {}),
+        (2, "3+3=", 6.5, {}),
     ]
     assert [s.prompt for s in load_dataset(_resolved(path, input_key="q", label_key="a", max_prompts=2))] == [
         "1+1=",
@@ -390,7 +390,7 @@ def test_jsonl_round_trip_random_rows(rows: list[tuple[str, str | int, int]], ca
         samples = load_dataset(_resolved(path, max_prompts=cap))
     expected = rows[:cap] if cap else rows
     assert [(s.index, s.prompt, s.label, s.metadata) for s in samples] == [
-        (i, p, str(lab), {"extra": e}) for i, (p, lab, e) in enumerate(expected)
+        (i, p, lab, {"extra": e}) for i, (p, lab, e) in enumerate(expected)  # labels keep their JSON type
     ]
 
 
@@ -422,4 +422,4 @@ def test_missing_key_on_random_row_is_named(
 def test_miles_config_file_with_any_extension(tmp_path: Path) -> None:
     cfg = tmp_path / "eval.conf"
     cfg.write_text("eval:\n  datasets:\n    - {name: a, path: a.jsonl}\n")
-    assert EvalSuite.from_miles_yaml(str(cfg)).resolved()[0].path == tmp_path / "a.jsonl"
+    assert EvalSuite.from_miles_yaml(str(cfg), rm_type="math").resolved()[0].path == tmp_path / "a.jsonl"

@@ -219,7 +219,9 @@ def test_loader_returns_samples_or_names_the_line(lines: list[str]) -> None:
             assert "rows.jsonl" in str(exc)
             assert " line " in str(exc) or "has no rows" in str(exc), str(exc)
             return
-    assert all(isinstance(s, EvalSample) and isinstance(s.prompt, str) and isinstance(s.label, str) for s in samples)
+    assert all(isinstance(s, EvalSample) and isinstance(s.prompt, str) for s in samples)
+    # a label keeps its JSON type: a string or a number, never a bool (miles hands it to rewards typed)
+    assert all(isinstance(s.label, str | int | float) and not isinstance(s.label, bool) for s in samples)
     assert [s.index for s in samples] == list(range(len(samples)))
 
 

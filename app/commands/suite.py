@@ -1,0 +1,54 @@
+"""`pinned-eval suite miles FILE`: load miles' eval config as miles reads it, print the suite it
+means, optionally save it as an EvalSuite block (`--save NAME`).
+
+`--set NAME=VALUE` (repeatable) resolves `${NAME}` / `${oc.env:NAME}` ahead of the environment;
+`--strict-miles` refuses pinned-eval's extension keys; `--rm-type` is miles' `--rm-type`.
+Exit codes: 0 loaded (and saved); 2 the config is refused (message names the key) or a `--set`
+is malformed; 1 saving the block failed (Prefect unreachable).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Eval suites: load miles' eval config.", no_args_is_help=True)
+
+
+def _variables(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.isidentifier():
+            raise typer.BadParameter(f"{pair!r}: expected NAME=VALUE", param_hint="--set")
+        out[name] = value
+    return out
+
+
+@app.command("miles")
+def miles(
+    path: Annotated[Path, typer.Argument(help="miles eval config (YAML/JSON).", exists=True, dir_okay=False)],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="NAME=VALUE for ${NAME} interpolations.")] = None,
+    strict_miles: Annotated[bool, typer.Option("--strict-miles", help="Refuse pinned-eval's extension keys.")] = False,
+    rm_type: Annotated[
+        str | None, typer.Option("--rm-type", help="miles' --rm-type: reward of datasets without one.")
+    ] = None,
+    save: Annotated[str | None, typer.Option("--save", help="Save as this EvalSuite block name.")] = None,
+) -> None:
+    """Print the datasets a miles eval config means (after interpolation, defaults, fallbacks)."""
+    from pinned_eval.suite import EvalSuite
+
+    variables = _variables(set_ or [])
+    try:
+        suite = EvalSuite.from_miles_yaml(path, variables=variables, strict_miles=strict_miles, rm_type=rm_type)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(json.dumps([ds.model_dump(mode="json") for ds in suite.resolved()], indent=2))
+    if save:
+        from blocks import EvalSuiteBlock  # prefect: slow import; `pinned-eval --help` stays fast
+
+        EvalSuiteBlock(suite=suite).save(save, overwrite=True)  # a failure propagates: exit 1
