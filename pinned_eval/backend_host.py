@@ -292,7 +292,9 @@ def evaluate_hosted(
     `silence_timeout_s` is `BackendHostUnavailable`."""
     req = EvaluateRequest(backend=backend, options=options or {}, checkpoint_dir=checkpoint_dir, input=eval_input)
     try:
-        body, headers = req.model_dump_json(), {"content-type": "application/json"}
+        # the socket is this uid's (checked by `_client`): secrets such as a remote reward's token travel
+        body = req.model_dump_json(context={"include_secrets": True})
+        headers = {"content-type": "application/json"}
         with (
             _client(socket_path, silence_timeout_s) as c,
             c.stream("POST", "/evaluate", content=body, headers=headers) as r,
