@@ -71,19 +71,23 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
 
     stack = LocalStack(get_settings().home)
     recorded = stack.state().api_url
-    url = get_current_settings().api.url or recorded
+    current = get_current_settings().api
+    url = current.url or recorded
     if not url:
         fail("no Prefect API: run `pinned-eval server up`, or set PREFECT_API_URL "
              "(e.g. `export PREFECT_API_URL=http://127.0.0.1:4200/api`)", 2)  # fmt: skip
     try:
-        configured = get_current_settings().api.auth_string or PrefectApiSettings().api_auth_string
+        configured = current.auth_string or PrefectApiSettings().api_auth_string
     except (OSError, ValueError) as exc:
         fail(f"{AUTH_FILE_ENV}: {exc}", 2)
     auth = configured.get_secret_value() if configured is not None else None
     if auth is None and url == recorded and stack.auth_file.exists():
         auth = stack.auth_string()
+    current_auth = current.auth_string.get_secret_value() if current.auth_string is not None else None
+    same = url == current.url and auth == current_auth  # nothing to change
     try:
-        with use_server(url, auth_string=auth), get_client(sync_client=True) as client:
+        with (contextlib.nullcontext() if same else use_server(url, auth_string=auth),
+              get_client(sync_client=True) as client):  # fmt: skip
             yield client
     except httpx.TransportError as exc:
         fail(f"cannot reach the Prefect API at {url}: {exc}")
