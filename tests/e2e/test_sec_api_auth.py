@@ -88,13 +88,14 @@ def _cli(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPr
 
 
 @pytest.fixture
-def stack_home(shared_dir: Path) -> Iterator[Path]:
-    """`pinned-eval server up` on a free port, its home under the world-traversable `shared_dir`."""
+def served_home(shared_dir: Path) -> Iterator[tuple[Path, str]]:
+    """`pinned-eval server up` on a free port, its home under the world-traversable `shared_dir`;
+    yields the home and what `server up` printed."""
     home = shared_dir / "home"
     up = _cli(home, "server", "up", "--port", str(free_port()))
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        yield home
+        yield home, up.stdout + up.stderr
     finally:
         down = _cli(home, "server", "down")
         state = home / "stack.json"
@@ -104,10 +105,11 @@ def stack_home(shared_dir: Path) -> Iterator[Path]:
 
 
 def test_a_neighbour_gets_401_from_the_api_and_cannot_read_the_credential(
-    neighbour: Neighbour, stack_home: Path
+    neighbour: Neighbour, served_home: tuple[Path, str]
 ) -> None:
-    api = json.loads((stack_home / "stack.json").read_text())["api_url"]
-    deploy = _cli(stack_home, "deploy")  # finds the server and the credential in the home
+    home, printed = served_home
+    api = json.loads((home / "stack.json").read_text())["api_url"]
+    deploy = _cli(home, "deploy")  # finds the server and the credential in the home
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
 
     attack = run_as(neighbour, _ATTACK, api)
@@ -118,14 +120,14 @@ def test_a_neighbour_gets_401_from_the_api_and_cannot_read_the_credential(
         "variables": 401,
     }  # fmt: skip
 
-    auth_file = stack_home / "api-auth"
-    files = [str(auth_file), str(stack_home / "prefect" / "prefect.db"), str(stack_home / "prefect" / "server.log")]
+    auth_file = home / "api-auth"
+    files = [str(auth_file), str(home / "prefect" / "prefect.db"), str(home / "prefect" / "server.log")]
     assert all(Path(f).exists() for f in files), files
     read = run_as(neighbour, _READ, *files)
     assert read.returncode == 0, read.stderr
     assert json.loads(read.stdout) == {**dict.fromkeys(files, "PermissionError"), "listdir": "PermissionError"}
     assert stat.S_IMODE(auth_file.stat().st_mode) == 0o600
-    assert stat.S_IMODE(stack_home.stat().st_mode) == 0o700
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
 
     secret = auth_file.read_text().strip()
     with httpx.Client(base_url=api, auth=tuple(secret.split(":", 1)), timeout=30) as owner:  # type: ignore[arg-type]
@@ -135,10 +137,11 @@ def test_a_neighbour_gets_401_from_the_api_and_cannot_read_the_credential(
     ui = httpx.get(api.removesuffix("/api") + "/ui-settings", timeout=30).json()
     assert ui["auth"] == "BASIC", ui  # the UI asks for the credential (its login form)
 
-    status = _cli(stack_home, "status", "--run", f"nobody-{uuid.uuid4().hex[:6]}")
+    status = _cli(home, "status", "--run", f"nobody-{uuid.uuid4().hex[:6]}")
     assert status.returncode == 1, status.stdout + status.stderr  # reached the API: the run has no points
     assert "no eval point of run" in status.stderr, status.stderr
     leaked = [p.pid for p in psutil.process_iter(["cmdline"]) if secret in " ".join(p.info["cmdline"] or [])]
     assert not leaked, f"the credential is on the command line of {leaked}"
-    for log in stack_home.rglob("*.log"):
+    assert str(auth_file.resolve()) in printed and secret not in printed, printed  # its path, never its value
+    for log in home.rglob("*.log"):
         assert secret not in log.read_text(errors="replace"), f"the credential is in {log}"
