@@ -5,6 +5,7 @@ Prefect's own settings (`PREFECT_API_URL`, ...) stay Prefect's; this object hold
 
 from __future__ import annotations
 
+import base64
 import os
 import stat
 from pathlib import Path
@@ -81,3 +82,12 @@ class PrefectApiSettings(BaseSettings):
         if self.api_auth_string is None and self.api_auth_file is not None:
             self.api_auth_string = read_auth_file(self.api_auth_file)
         return self
+
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header: basic auth string, else Bearer API key, else none."""
+        if self.api_auth_string is not None:
+            token = base64.b64encode(self.api_auth_string.get_secret_value().encode()).decode()
+            return {"Authorization": f"Basic {token}"}
+        if self.api_key is not None:
+            return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
+        return {}
