@@ -145,3 +145,14 @@ def test_a_neighbour_gets_401_from_the_api_and_cannot_read_the_credential(
     assert str(auth_file.resolve()) in printed and secret not in printed, printed  # its path, never its value
     for log in home.rglob("*.log"):
         assert secret not in log.read_text(errors="replace"), f"the credential is in {log}"
+
+
+def test_the_suite_runs_against_an_authenticated_server(prefect_server: str) -> None:
+    """The session server every other test uses requires the credential too (so the whole suite
+    proves the product works with auth on); the harness's clients send it."""
+    from tests.prefect_server import prefect_rest_client
+
+    assert httpx.post(f"{prefect_server}/flow_runs/filter", json={}, timeout=30).status_code == 401
+    assert os.environ["PREFECT_API_AUTH_STRING"], "subprocesses inherit the credential"
+    with prefect_rest_client(prefect_server) as http:
+        assert http.post("/flow_runs/filter", json={"limit": 1}).status_code == 200
