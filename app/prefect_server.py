@@ -4,24 +4,64 @@ Used by `pinned-eval server up|down`, the demo, the benchmarks and the tests. Fi
 storage keeps concurrency slots correct across a server restart (the default in-memory storage
 leaks them). `PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS` bounds how long
 a waiting point sleeps between slot retries.
+
+Authenticated always: the server gets an API auth string (`PREFECT_SERVER_API_AUTH_STRING`,
+HTTP basic `user:password`; every request but `GET /api/health` without it is a 401), the one
+passed in or else the one stored in `<home>/api-auth` (generated on first use, mode 0600, in a
+0700 home that also keeps the SQLite database with the block secrets from other users). Clients
+send it as `PREFECT_API_AUTH_STRING` (`use_server`); it is never on a command line or in a log.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import prefect.context
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
-from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_HOME, temporary_settings
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from pinned_eval.processes import LaunchError, ProcessSpec, free_port, start_process, stop_groups, wait_http_ok
+from pinned_eval.settings import AUTH_FILE_NAME, read_auth_file
+
+AUTH_USER = "pinned-eval"
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of this user's only (mode 0700; created, or tightened when it is
+    ours). A symlink or another user's directory raises `PermissionError` naming it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{path}: must be a directory owned by uid {os.geteuid()}, not a symlink "
+                              "or another user's")  # fmt: skip
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def ensure_auth_file(path: Path) -> str:
+    """The API credential stored at `path`, generated first when there is none: `pinned-eval:<256
+    random bits>`, written with O_EXCL at mode 0600 (a concurrent creator's file is read instead)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return read_auth_file(path).get_secret_value()
+    value = f"{AUTH_USER}:{secrets.token_urlsafe(32)}"
+    try:
+        os.write(fd, (value + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return value
 
 
 def server_env(home: Path, port: int, *, slot_wait_s: int = 2) -> dict[str, str]:
@@ -43,21 +83,28 @@ class ServerProcess:
     pid: int
     api_url: str
     home: Path
+    auth_string: str = field(repr=False)  # what clients send as PREFECT_API_AUTH_STRING
 
     @property
     def ui_url(self) -> str:
         return self.api_url.removesuffix("/api")
 
 
-def start_server(home: Path, port: int | None = None, *, timeout_s: float = 120.0) -> ServerProcess:
-    """Start `prefect server start` in its own process group; return once `/api/health` answers 200
+def start_server(
+    home: Path, port: int | None = None, *, auth_string: str | None = None, timeout_s: float = 120.0
+) -> ServerProcess:
+    """Start `prefect server start` in its own process group, its API requiring `auth_string`
+    (default: `<home>/api-auth`, generated when absent); return once `/api/health` answers 200
     (`LaunchError` with the log tail, after stopping it, if it exits or times out first)."""
-    home.mkdir(parents=True, exist_ok=True)
+    private_dir(home)
+    auth = auth_string if auth_string is not None else ensure_auth_file(home / AUTH_FILE_NAME)
+    if not auth:
+        raise ValueError("auth_string: the API credential must not be empty")
     port = port or free_port()
     spec = ProcessSpec(
         role="prefect-server",
         command=[sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=server_env(home, port),
+        env=dict(server_env(home, port), PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_API_AUTH_STRING=auth),
         port=port,
         health_path="/api/health",
     )
@@ -67,7 +114,7 @@ def start_server(home: Path, port: int | None = None, *, timeout_s: float = 120.
     except LaunchError:
         stop_server(record.pid)
         raise
-    return ServerProcess(record.pid, f"{spec.url}/api", home)
+    return ServerProcess(record.pid, f"{spec.url}/api", home, auth)
 
 
 def stop_server(pid: int, *, timeout_s: float = 15.0) -> None:
@@ -91,14 +138,18 @@ def env_set(**values: str) -> Iterator[None]:
 
 
 @contextmanager
-def use_server(api_url: str, home: Path | None = None) -> Iterator[None]:
-    """Point this process's Prefect client (all threads included) at `api_url`."""
+def use_server(api_url: str, home: Path | None = None, *, auth_string: str | None = None) -> Iterator[None]:
+    """Point this process's Prefect client (all threads included), and the environment its
+    children inherit, at `api_url`, sending `auth_string` when given."""
 
     updates: dict = {PREFECT_API_URL: api_url}
     env = {"PREFECT_API_URL": api_url}
     if home is not None:
         updates[PREFECT_HOME] = str(home)
         env["PREFECT_HOME"] = str(home)
+    if auth_string is not None:
+        updates[PREFECT_API_AUTH_STRING] = auth_string
+        env["PREFECT_API_AUTH_STRING"] = auth_string
     with (
         env_set(**env),
         temporary_settings(updates=updates),
@@ -124,7 +175,7 @@ def running_server(home: Path, port: int | None = None) -> Iterator[ServerProces
     """A server for the duration of the block, with this process pointed at it."""
     server = start_server(home, port)
     try:
-        with use_server(server.api_url, home):
+        with use_server(server.api_url, home, auth_string=server.auth_string):
             yield server
     finally:
         stop_server(server.pid)

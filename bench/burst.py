@@ -335,7 +335,7 @@ def _burst_on(stack_home: Path, db_url: str | None, model: Path, fleet_state: Pa
             server = stack.server_up(port=0)
         stack.deploy()
         stack.worker_up(query_seconds=1)
-        with use_server(server.api_url, server.home):
+        with use_server(server.api_url, server.home, auth_string=server.auth_string):
             tag, keep = uuid.uuid4().hex[:8], 2
             root = stack_home / "staging"
             root.mkdir()

@@ -24,14 +24,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
-from app.prefect_server import free_port, start_server, stop_server
+from app.prefect_server import env_set, free_port, start_server, stop_server
 from pinned_eval.events import BlockNames, post_events
 from pinned_eval.points import PointRequest, SnapshotSource
+from pinned_eval.settings import PrefectApiSettings
 from tests.reliability.netfaults import FaultyHTTPProxy, Rule
 from trainer_integration.client import EvalClient
 from trainer_integration.events import event_entry
+from trainer_integration.rest import api_client
 from trainer_integration.spool import Spool
 
 ROUNDS = 4
@@ -57,7 +57,7 @@ def _pct(values: list[float], q: float) -> float:
 def measure(api: str, work: Path) -> dict[str, list[float]]:
     res: dict[str, list[float]] = {f"dispatch, API {a}": [] for a in APIS}
     res |= {"inline POST": [], "spool append": [], "report_progress": []}
-    http = httpx.Client(timeout=10)
+    http = api_client(PrefectApiSettings(), timeout_s=10)  # the server's credential, as the clients send it
     spool = Spool(work / "bare-spool")
     upstream = api.removesuffix("/api")
     slow = FaultyHTTPProxy(upstream, rules=[Rule("delay", delay_s=0.5)])
@@ -97,7 +97,8 @@ def main() -> None:
         work = Path(tmp)
         server = start_server(work / "home")
         try:
-            res = measure(server.api_url, work)
+            with env_set(PREFECT_API_AUTH_STRING=server.auth_string):
+                res = measure(server.api_url, work)
         finally:
             stop_server(server.pid)
     base = statistics.median(res["inline POST"])

@@ -125,9 +125,8 @@ def _worker(pool: str, query_s: float, log: Path) -> subprocess.Popen[bytes]:
 
 def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str, float]]]:
     """Per path, per request: seconds from the request to each phase (`created`, `pending`, `running`)."""
-    import httpx
-
-    from trainer_integration.rest import PrefectRest
+    from pinned_eval.settings import PrefectApiSettings
+    from trainer_integration.rest import PrefectRest, api_client
 
     deployments = {
         label: _deploy(pool, f"bench-noop-{i}", triggered=label.startswith("event"))
@@ -141,7 +140,7 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
     wait_listening(sock, warm)
     workers = [_worker(pool, q, tmp / f"bench-worker-{pool}-{os.getpid()}.log") for pool, q in PATHS.values()]
     out: dict[str, list[dict[str, float]]] = {label: [] for label in PATHS}
-    http = httpx.Client(timeout=30)
+    http = api_client(PrefectApiSettings(), timeout_s=30)  # with the server's credential (running_server)
     rest = PrefectRest(api_url, http)  # retries a busy server's 503 on both paths
     try:
         time.sleep(3)  # let the workers register before the first request

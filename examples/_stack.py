@@ -74,7 +74,7 @@ def stack(args: argparse.Namespace, example: str) -> Iterator[Stack]:
             local = LocalStack(work / "stack")
             stop.callback(local.down)
             server = local.server_up(free_port())
-            stop.enter_context(use_server(server.api_url, server.home))
+            stop.enter_context(use_server(server.api_url, server.home, auth_string=server.auth_string))
             api_url, model, state = server.api_url, make_tiny_model(work / "model"), work / "fleet" / "fleet.json"
             print(f"self-contained stack: Prefect UI {server.ui_url}; starting 2 CPU engines ...", flush=True)
             stop.callback(launch_cpu_fleet(model, 2, state_file=state, ready_timeout_s=300).stop)
@@ -83,15 +83,21 @@ def stack(args: argparse.Namespace, example: str) -> Iterator[Stack]:
         else:
             from app.stack import LocalStack
             from pinned_eval.fleet.launcher import default_state_file
-            from pinned_eval.settings import get_settings
+            from pinned_eval.settings import PrefectApiSettings, get_settings
 
-            recorded = LocalStack(get_settings().home).state().api_url  # `pinned-eval server up`'s
+            home_stack = LocalStack(get_settings().home)
+            recorded = home_stack.state().api_url  # `pinned-eval server up`'s
             api_url = args.api_url or os.environ.get("PREFECT_API_URL") or recorded
             if not api_url or not args.model_path:
                 raise SystemExit("need a running stack (--api-url or PREFECT_API_URL, and --model-path), "
                                  "or --self-contained")  # fmt: skip
             model, state = args.model_path.resolve(), (args.fleet_state or default_state_file()).resolve()
-            stop.enter_context(use_server(api_url))
+            # the credential: PREFECT_API_AUTH_STRING or PINNED_EVAL_API_AUTH_FILE, else the home's (its server only)
+            given = PrefectApiSettings().api_auth_string
+            auth = given.get_secret_value() if given else None
+            if auth is None and api_url == recorded and home_stack.auth_file.exists():
+                auth = home_stack.auth_string()
+            stop.enter_context(use_server(api_url, auth_string=auth))
         yield Stack(api_url, run, work, model, save_blocks(run, work, state), state)
 
 

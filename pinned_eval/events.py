@@ -14,6 +14,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from pinned_eval.points import EVENT_REQUESTED, PointRequest, point_event_id, run_resource_id
+from pinned_eval.settings import PrefectApiSettings
 
 
 class BlockNames(BaseModel):
@@ -41,8 +42,9 @@ def point_event(request: PointRequest, blocks: BlockNames | None = None) -> dict
 
 
 def post_events(api_url: str, events: list[dict[str, Any]], *, client: httpx.Client | None = None) -> None:
-    """POST events to an OSS Prefect server (`<api_url>/events`, 204 on success)."""
-    http = client or httpx.Client(timeout=10)
+    """POST events to an OSS Prefect server (`<api_url>/events`, 204 on success); without `client`,
+    with the credential of the environment (`PrefectApiSettings`)."""
+    http = client or httpx.Client(timeout=10, headers=PrefectApiSettings().auth_headers())
     try:
         resp = http.post(f"{api_url.rstrip('/')}/events", json=events)
         resp.raise_for_status()

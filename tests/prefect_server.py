@@ -1,4 +1,7 @@
-"""Tests run against a real local Prefect server (see `app.prefect_server`)."""
+"""Tests run against a real local Prefect server (see `app.prefect_server`), with API auth on, as
+the product runs it: `running_prefect_server` sets `PREFECT_API_AUTH_STRING` (this process's
+Prefect client and the environment of every subprocess) for its duration, and raw REST calls go
+through `prefect_rest_client`, which sends it."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from typing import Any
 import httpx
 
 from app.prefect_server import running_server
+from pinned_eval.settings import PrefectApiSettings
+from trainer_integration.rest import auth_headers
 
 BUSY_RETRY_S = 30.0
 
@@ -36,5 +41,7 @@ class _BusyRetryTransport(httpx.HTTPTransport):
 
 
 def prefect_rest_client(base_url: str = "", **kwargs: Any) -> httpx.Client:
-    """An httpx client for raw REST calls to the test Prefect server, retrying its busy 503s."""
-    return httpx.Client(base_url=base_url, transport=_BusyRetryTransport(), **{"timeout": 30, **kwargs})
+    """An httpx client for raw REST calls to the test Prefect server, retrying its busy 503s and
+    sending the API credential of the environment (`PREFECT_API_AUTH_STRING`)."""
+    defaults = {"timeout": 30, "headers": auth_headers(PrefectApiSettings())}
+    return httpx.Client(base_url=base_url, transport=_BusyRetryTransport(), **{**defaults, **kwargs})

@@ -1,10 +1,11 @@
 """The few Prefect REST calls the trainer side makes, over plain httpx (no Prefect import).
 
 Contract: every call goes through one `httpx.Client` built by `api_client` with the auth of
-`pinned_eval.settings.PrefectApiSettings` (basic `PREFECT_API_AUTH_STRING` wins over Bearer
-`PREFECT_API_KEY`, as in Prefect's own client). Reads raise `ApiUnavailableError` when the API
-cannot be reached or answers 5xx, so callers can degrade (admit and spool) instead of failing;
-other HTTP errors raise `httpx.HTTPStatusError`.
+`pinned_eval.settings.PrefectApiSettings` (basic `PREFECT_API_AUTH_STRING`, else the string in the
+file `PINNED_EVAL_API_AUTH_FILE`, wins over Bearer `PREFECT_API_KEY`, as in Prefect's own client).
+Reads raise `ApiUnavailableError` when the API cannot be reached or answers 5xx, so callers can
+degrade (admit and spool) instead of failing; other HTTP errors (a 401 included) raise
+`httpx.HTTPStatusError`.
 
 A run's point flow runs and which are in flight are defined once, in `pinned_eval.inflight`
 (one query, matched on the `run` parameter); `point_runs` sends that query.
@@ -12,7 +13,6 @@ A run's point flow runs and which are in flight are defined once, in `pinned_eva
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import httpx
@@ -51,13 +51,9 @@ class PointRun(BaseModel):
 
 
 def auth_headers(settings: PrefectApiSettings) -> dict[str, str]:
-    """Authorization header for the API (or a Cloud webhook) from Prefect's env variables."""
-    if settings.api_auth_string is not None:
-        token = base64.b64encode(settings.api_auth_string.get_secret_value().encode()).decode()
-        return {"Authorization": f"Basic {token}"}
-    if settings.api_key is not None:
-        return {"Authorization": f"Bearer {settings.api_key.get_secret_value()}"}
-    return {}
+    """Authorization header for the API (or a Cloud webhook) from Prefect's env variables (or
+    `PINNED_EVAL_API_AUTH_FILE`)."""
+    return settings.auth_headers()
 
 
 def api_client(

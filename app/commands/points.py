@@ -30,6 +30,7 @@ from pinned_eval.events import BlockNames, point_event
 from pinned_eval.inflight import RETRYABLE, TERMINAL
 from pinned_eval.points import PointRequest, SnapshotSource, SourceKind, flow_run_name, outcome_of
 from pinned_eval.polling import PollTimeout, poll_until
+from pinned_eval.settings import AUTH_FILE_ENV, PrefectApiSettings, get_settings
 from pinned_eval.snapshot.layout import join, resolve
 from pinned_eval.snapshot.staging import RETIRED
 
@@ -56,15 +57,37 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 @contextlib.contextmanager
 def prefect_client() -> Iterator[SyncPrefectClient]:
-    """A sync client of the configured API; exit 2 when none is configured, 1 when unreachable."""
+    """A sync client of the API, this process pointed at it while the block runs (flows run here
+    too); exit 2 when none is configured, 1 when unreachable.
+
+    The URL is `PREFECT_API_URL`, else the one `pinned-eval server up` recorded in the home; the
+    credential is `PREFECT_API_AUTH_STRING` or `PINNED_EVAL_API_AUTH_FILE`, else the home's
+    `api-auth`, sent only to the home's own server (never to another URL)."""
     from prefect import get_client  # prefect: slow import; `pinned-eval --help` stays fast
     from prefect.settings import get_current_settings  # prefect: slow import; `pinned-eval --help` stays fast
 
-    url = get_current_settings().api.url
+    from app.prefect_server import use_server  # prefect: slow import; `pinned-eval --help` stays fast
+    from app.stack import LocalStack  # prefect: slow import; `pinned-eval --help` stays fast
+
+    stack = LocalStack(get_settings().home)
+    recorded = stack.state().api_url
+    current = get_current_settings().api
+    url = current.url or recorded
     if not url:
-        fail("PREFECT_API_URL is not set (e.g. `export PREFECT_API_URL=http://127.0.0.1:4200/api`)", 2)
+        fail("no Prefect API: run `pinned-eval server up`, or set PREFECT_API_URL "
+             "(e.g. `export PREFECT_API_URL=http://127.0.0.1:4200/api`)", 2)  # fmt: skip
     try:
-        with get_client(sync_client=True) as client:
+        configured = current.auth_string or PrefectApiSettings().api_auth_string
+    except (OSError, ValueError) as exc:
+        fail(f"{AUTH_FILE_ENV}: {exc}", 2)
+    auth = configured.get_secret_value() if configured is not None else None
+    if auth is None and url == recorded and stack.auth_file.exists():
+        auth = stack.auth_string()
+    current_auth = current.auth_string.get_secret_value() if current.auth_string is not None else None
+    same = url == current.url and auth == current_auth  # nothing to change
+    try:
+        with (contextlib.nullcontext() if same else use_server(url, auth_string=auth),
+              get_client(sync_client=True) as client):  # fmt: skip
             yield client
     except httpx.TransportError as exc:
         fail(f"cannot reach the Prefect API at {url}: {exc}")

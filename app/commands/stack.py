@@ -1,7 +1,9 @@
 """`pinned-eval server up|down`, `pinned-eval deploy`, `pinned-eval worker`: the local orchestration stack.
 
 State (PIDs, API URL) lives in `<home>/stack.json` (home: `PINNED_EVAL_HOME`, default
-`.pinned-eval`). Exit codes: 0 ok; 1 the operation failed.
+`.pinned-eval`, mode 0700); the API credential the server requires in `<home>/api-auth` (mode
+0600; `server up` generates it and prints its path, never its value). Exit codes: 0 ok; 1 the
+operation failed.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ def _stack():
 
 @server_app.command("up")
 def server_up(port: Annotated[int | None, typer.Option(help="Port (default 4200 when free).")] = None) -> None:
-    """Start the server (or report the running one) and print its API URL."""
-    server = _stack().server_up(port)
-    typer.echo(f"Prefect UI: {server.ui_url}\nexport PREFECT_API_URL={server.api_url}")
+    """Start the server (or report the running one) with API auth on; print its API URL and where
+    its credential is (the UI's login and other clients; the pinned-eval verbs read it themselves)."""
+    stack = _stack()
+    server = stack.server_up(port)
+    typer.echo(f"Prefect UI: {server.ui_url}  (log in with the contents of {stack.auth_file.resolve()})\n"
+               f"export PREFECT_API_URL={server.api_url}\n"
+               f"export PINNED_EVAL_API_AUTH_FILE={stack.auth_file.resolve()}  # for EvalClient\n"
+               f"export PREFECT_API_AUTH_STRING=\"$(cat {stack.auth_file.resolve()})\"  # for Prefect's own CLI")
 
 
 @server_app.command("down")

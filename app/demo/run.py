@@ -5,7 +5,8 @@ lease storage), the deployments and a process worker, a CPU fleet of 2 engines b
 sglang-router; saves the blocks; then runs a tiny fully-async training job on CPU that learns
 arithmetic and dispatches an eval point every `eval_every` steps through `EvalClient` (in-loop
 export into staging, final point forced, a baseline point at step 0). It ends with the per-step
-table and the UI address where runs `demo/step-N` show the history.
+table and the UI address where runs `demo/step-N` show the history. The server's API requires
+the stack's credential (`<home>/api-auth`, mode 0600), which the UI's login form asks for.
 
 Each demo starts from a clean state directory (`<home>/demo`), so it can be run again and again.
 """
@@ -83,7 +84,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
         say("starting the Prefect server on 127.0.0.1 ...")
         server = stack.server_up(opts.port)
         started.add("the Prefect server and worker", stack.down)
-        with use_server(server.api_url, server.home):
+        with use_server(server.api_url, server.home, auth_string=server.auth_string):
             base = _tiny_model(home, say)
             fleet = _save_blocks(home, base)
             say("starting 2 CPU engines behind sglang-router ...")
@@ -94,7 +95,8 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
             stack.worker_up()
             table = _train_and_evaluate(opts, home, base, server.api_url, say)
         say(render_table(table))
-        say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N)")
+        say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N; "
+            f"log in with the contents of {stack.auth_file})")
         if not opts.exit_after and (sys.stdin.isatty() or get_settings().demo_hold):
             say("everything stays up for you to browse; Ctrl-C stops it all")
             _wait_for_interrupt()

@@ -1,8 +1,10 @@
 """`make demo` end to end, exactly as the README runs it, plus the UI check on its Prefect server.
 
 The demo is held open (PINNED_EVAL_DEMO_HOLD=1) after its table so headless Chromium (Debian's
-`chromium`, installed by scripts/ci-services.sh) can look at the UI: every point's run is listed,
-and the state badges of a Completed, a Skipped and a Failed run read so. Then it gets Ctrl-C
+`chromium`, installed by scripts/ci-services.sh) can look at the UI: its API requires the demo's
+credential (`<home>/demo/api-auth`), so the UI first shows its login form, and after logging in
+with the credential every point's run is listed, and the state badges of a Completed, a Skipped
+and a Failed run read so. Then it gets Ctrl-C
 (SIGINT; the child starts with SIGINT at its default whatever this process inherited), and
 nothing it started may be left running. No browser is a failure, not a skip.
 """
@@ -90,8 +92,9 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
             assert float(r["weight_version"]) == int(r["step"]), r
         first, last = measured[0], measured[-1]
         assert float(last["arith_add"]) >= float(first["arith_add"]) + 0.2, f"no visible climb:\n{text}"
-        _add_skipped_and_failed_runs(ui.removesuffix("/runs") + "/api", tmp_path)
-        _check_ui(ui, [int(r["step"]) for r in rows], tmp_path / "ui-flow-runs.png")
+        auth_file = tmp_path / "demo" / "api-auth"
+        _add_skipped_and_failed_runs(ui.removesuffix("/runs") + "/api", tmp_path, auth_file)
+        _check_ui(ui, [int(r["step"]) for r in rows], tmp_path / "ui-flow-runs.png", auth_file)
     finally:
         demo_procs = psutil.Process(proc.pid).children(recursive=True)  # make's `pinned-eval demo`
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches make and the demo alike
@@ -111,16 +114,20 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
     assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
 
 
-def _add_skipped_and_failed_runs(api: str, tmp_path: Path) -> None:
-    """Through the product on the demo's server: step 1 is a trainer-side skip (its in-loop export
-    fails), step 2 a point the flow rejects (external posture without a backend) → Failed."""
+def _add_skipped_and_failed_runs(api: str, tmp_path: Path, auth_file: Path) -> None:
+    """Through the product on the demo's server (the trainer's credential from its file): step 1
+    is a trainer-side skip (its in-loop export fails), step 2 a point the flow rejects (external
+    posture without a backend) → Failed."""
     from pinned_eval.points import SnapshotSource
+    from pinned_eval.settings import PrefectApiSettings
     from trainer_integration.client import EvalClient
 
     def broken_export(step: int, dest: str) -> None:
         raise OSError("disk full (UI check)")
 
-    with EvalClient(UI_RUN, api, staging_root=tmp_path / "ui-staging", spool_dir=tmp_path / "ui-spool") as client:
+    settings = PrefectApiSettings(PREFECT_API_AUTH_STRING=None, PINNED_EVAL_API_AUTH_FILE=auth_file)
+    with EvalClient(UI_RUN, api, staging_root=tmp_path / "ui-staging", spool_dir=tmp_path / "ui-spool",
+                    settings=settings) as client:  # fmt: skip
         assert client.dispatch(1, export=broken_export).action == "skipped_export_failed"
         deployment = client.rest.deployment_id("eval-point", "eval-point")
         params = {"run": UI_RUN, "step": 2, "posture": "external",
@@ -133,7 +140,7 @@ def _add_skipped_and_failed_runs(api: str, tmp_path: Path) -> None:
         assert client.wait_for(2, 180).state in ("failed", "crashed")
 
 
-def _check_ui(ui: str, steps: list[int], screenshot: Path) -> None:
+def _check_ui(ui: str, steps: list[int], screenshot: Path, auth_file: Path) -> None:
     from playwright.sync_api import Page, sync_playwright
 
     def badge(page: Page, name: str) -> str:
@@ -148,6 +155,10 @@ def _check_ui(ui: str, steps: list[int], screenshot: Path) -> None:
         try:
             page = browser.new_page()
             page.goto(ui)
+            password = page.get_by_placeholder("admin:pass")  # the login form: nothing shows without it
+            password.wait_for(timeout=90_000)
+            password.fill(auth_file.read_text().strip())
+            page.get_by_role("button", name="Login").click()
             page.get_by_text(f"demo/step-{max(steps)}").first.wait_for(timeout=90_000)
             page.get_by_text(f"{UI_RUN}/step-2").first.wait_for(timeout=90_000)
             names = set(page.get_by_text("demo/step-").all_inner_texts())

@@ -17,10 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from app.prefect_server import start_server, stop_server
+from app.prefect_server import env_set, start_server, stop_server
 from pinned_eval.points import EVENT_REQUESTED, Posture, SnapshotSource
 from tests.conftest import free_port
 from tests.deploykit import wait_for
+from tests.prefect_server import prefect_rest_client
 from trainer_integration.client import EvalClient
 from trainer_integration.events import event_entry
 from trainer_integration.rest import PrefectRest
@@ -30,10 +31,12 @@ pytestmark = pytest.mark.e2e
 
 @contextmanager
 def prefect_server_at(home: Path, port: int) -> Iterator[str]:
-    """`prefect server start` on 127.0.0.1:`port` with `home` (its SQLite DB); stopped by PID."""
+    """`prefect server start` on 127.0.0.1:`port` with `home` (its SQLite DB and API credential,
+    sent by clients made in the block); stopped by PID."""
     server = start_server(home, port)
     try:
-        yield server.api_url
+        with env_set(PREFECT_API_AUTH_STRING=server.auth_string):
+            yield server.api_url
     finally:
         stop_server(server.pid)
 
@@ -50,7 +53,7 @@ def _post(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def register_triggered_deployment(api: str) -> str:
     """eval-point/eval-point with the prefect.yaml trigger, created over REST; returns its id."""
-    with httpx.Client(base_url=api, timeout=10) as c:
+    with prefect_rest_client(api, timeout=10) as c:
         flow = _post(c, "/flows/", {"name": "eval-point"})
         dep = _post(c, "/deployments/", {"name": "eval-point", "flow_id": flow["id"]})
         params = {k: f"{{{{ event.payload.{k} }}}}" for k in ("run", "step", "source", "final", "policy")}

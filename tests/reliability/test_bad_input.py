@@ -26,6 +26,7 @@ from pinned_eval.points import inflight_limit_name
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
 from tests.pointkit import SMALL_SUITE, CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
+from tests.prefect_server import prefect_rest_client
 from tests.reliability.netfaults import Responder, ScriptedServer
 
 JSON = {"Content-Type": "application/json"}
@@ -74,7 +75,7 @@ def _busy(exc: BaseException) -> bool:  # SQLite-backed server under load answer
 @retry(retry=retry_if_exception(_busy), wait=wait_exponential(0.2, max=3), stop=stop_after_attempt(10), reraise=True)
 def _edit_block(api: str, name: str, slug: str, data: dict) -> None:
     """What an operator's edit in the UI does: replace the document's data over REST (unvalidated)."""
-    with httpx.Client(base_url=api, timeout=30) as c:
+    with prefect_rest_client(api) as c:
         doc = c.get(f"/block_types/slug/{slug}/block_documents/name/{name}").raise_for_status().json()
         c.patch(f"/block_documents/{doc['id']}", json={"data": {**doc["data"], **data}, "merge_existing_data": False}
                 ).raise_for_status()

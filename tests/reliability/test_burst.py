@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from bench.burst import BurstReport, run_burst, snapshot_exporter, tiny_suite
@@ -33,6 +32,7 @@ from pinned_eval.events import BlockNames
 from pinned_eval.sinks import JsonlSink
 from tests.deploykit import Deployed
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks
+from tests.prefect_server import prefect_rest_client
 from trainer_integration.client import EvalClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -118,6 +118,7 @@ def test_admission_counts_only_real_points_in_flight(burst: Burst):
 def _automation_failures(api_url: str) -> list[dict]:
     """Diagnostics: trigger actions the server failed to run (a point requested but never created)."""
     body = {"filter": {"event": {"name": ["prefect.automation.action.failed"]}}, "limit": 50}
-    resp = httpx.post(f"{api_url}/events/filter", json=body, timeout=30)
+    with prefect_rest_client() as http:
+        resp = http.post(f"{api_url}/events/filter", json=body)
     resp.raise_for_status()
     return [{"occurred": e["occurred"], "payload": e.get("payload")} for e in resp.json()["events"]]

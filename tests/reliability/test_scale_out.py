@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from app.prefect_server import env_set, free_port, start_server, stop_server, use_server
@@ -39,6 +38,7 @@ from blocks import FleetBlock
 from pinned_eval.events import BlockNames
 from tests.deploykit import REPO, prefect_cli, wait_for
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks
+from tests.prefect_server import prefect_rest_client
 from trainer_integration.client import EvalClient
 from trainer_integration.results import PointOutcome
 
@@ -61,6 +61,7 @@ class PostgresStack:
     api_url: str
     home: Path
     workers: tuple[Worker, ...]
+    auth_string: str  # the server's API credential
 
 
 def _start_worker(name: str, env: dict[str, str], log: Path) -> Worker:
@@ -105,7 +106,7 @@ def postgres_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgre
         workers: list[Worker] = []
         try:
             env = dict(os.environ, PREFECT_API_URL=server.api_url, PREFECT_HOME=str(home),
-                       PINNED_EVAL_PROJECT_DIR=str(REPO))  # fmt: skip
+                       PINNED_EVAL_PROJECT_DIR=str(REPO), PREFECT_API_AUTH_STRING=server.auth_string)  # fmt: skip
             pool = prefect_cli("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite", env=env)
             assert pool.returncode == 0, pool.stdout + pool.stderr
             dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
@@ -114,7 +115,7 @@ def postgres_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgre
                               PREFECT_LOGGING_LEVEL="INFO")  # fmt: skip
             logs = tmp_path_factory.mktemp("pg-workers")
             workers = [_start_worker(n, worker_env, logs / f"{n}.log") for n in WORKERS]
-            yield PostgresStack(pg, server.api_url, home, tuple(workers))
+            yield PostgresStack(pg, server.api_url, home, tuple(workers), server.auth_string)
         finally:
             for w in workers:
                 _stop_worker(w)
@@ -125,7 +126,7 @@ def executed_by(api_url: str) -> dict[str, str]:
     """flow run id -> name of the worker that executed it, from `prefect.worker.executed-flow-run` events."""
     body = {"filter": {"event": {"name": ["prefect.worker.executed-flow-run"]}}, "limit": 50}
     out: dict[str, str] = {}
-    with httpx.Client(timeout=30) as http:
+    with prefect_rest_client() as http:
         page = http.post(f"{api_url}/events/filter", json=body).raise_for_status().json()
         while True:
             for event in page["events"]:
@@ -154,7 +155,7 @@ def test_points_spread_over_two_workers_and_two_fleets_on_postgres(
     api_url = postgres_stack.api_url
     fleet_b = launch_cpu_fleet(tiny_model, 1, state_file=tmp_path / "fleet-b.json", ready_timeout_s=180)
     try:
-        with use_server(api_url, postgres_stack.home):
+        with use_server(api_url, postgres_stack.home, auth_string=postgres_stack.auth_string):
             envs: list[PointEnv] = []
             for name, state in (("scale-a", cpu_fleet.state_file), ("scale-b", tmp_path / "fleet-b.json")):
                 (tmp_path / name).mkdir()

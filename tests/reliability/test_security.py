@@ -124,17 +124,10 @@ def test_secrets_stay_out_of_parameters_logs_artifacts_and_sinks(
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
     home = tmp_path_factory.mktemp("auth-prefect")
-    saved = os.environ.get("PREFECT_SERVER_API_AUTH_STRING")
-    os.environ["PREFECT_SERVER_API_AUTH_STRING"] = AUTH  # read by server_env() for the server process
-    try:
-        server = start_server(home, free_port())
-    finally:
-        if saved is None:
-            os.environ.pop("PREFECT_SERVER_API_AUTH_STRING", None)
-        else:
-            os.environ["PREFECT_SERVER_API_AUTH_STRING"] = saved
+    server = start_server(home, free_port(), auth_string=AUTH)
     env = server_env(home, int(server.api_url.rsplit(":", 1)[1].split("/")[0]))
-    env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
+    for inherited in ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING", "PINNED_EVAL_API_AUTH_FILE"):
+        env.pop(inherited, None)  # the session server's credential, say: each test names its own
     env["PYTHONPATH"] = str(REPO)
     try:
         yield server.api_url, env
@@ -146,7 +139,7 @@ def test_trainer_rest_client_sends_the_auth_string(auth_server) -> None:  # type
     api, _ = auth_server
     with api_client(PrefectApiSettings(PREFECT_API_AUTH_STRING=AUTH)) as http:
         assert PrefectRest(api, http).point_runs("nobody") == []
-    with api_client(PrefectApiSettings()) as http, pytest.raises(httpx.HTTPStatusError) as info:
+    with api_client(PrefectApiSettings.model_construct()) as http, pytest.raises(httpx.HTTPStatusError) as info:
         PrefectRest(api, http).point_runs("nobody")
     assert info.value.response.status_code == 401
     with api_client(PrefectApiSettings(PREFECT_API_AUTH_STRING="pe-admin:wrong")) as http:

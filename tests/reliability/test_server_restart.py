@@ -17,13 +17,13 @@ import textwrap
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pinned_eval.points import SnapshotSource, inflight_limit_name
 from tests.conftest import free_port
 from tests.deploykit import REPO, wait_for
 from tests.e2e.test_spool_delivery import prefect_server_at, register_triggered_deployment, runs_by_step
+from tests.prefect_server import prefect_rest_client
 from trainer_integration.client import EvalClient
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,8 @@ HOLDER = textwrap.dedent("""
 
 
 def _slots(api: str, name: str) -> int:
-    resp = httpx.get(f"{api}/v2/concurrency_limits/{name}", timeout=10)
+    with prefect_rest_client() as http:
+        resp = http.get(f"{api}/v2/concurrency_limits/{name}", timeout=10)
     resp.raise_for_status()
     return int(resp.json()["active_slots"])
 
