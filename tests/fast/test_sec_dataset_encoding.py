@@ -34,4 +34,4 @@ def test_non_utf8_line_is_a_dataset_error_naming_file_line_and_byte(
 def test_utf8_with_any_line_endings_still_loads(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_bytes('{"prompt": "½+½=", "label": "1"}\r\n\r\n{"prompt": "é", "label": 2}\n'.encode())
-    assert [(s.index, s.prompt, s.label) for s in _load(path)] == [(0, "½+½=", "1"), (1, "é", 2)]  # labels keep their JSON type; type: ignore[attr-defined]
+    assert [(s.index, s.prompt, s.label) for s in _load(path)] == [(0, "½+½=", "1"), (1, "é", 2)]  # type: ignore[attr-defined]  # labels keep their JSON type
