@@ -94,12 +94,13 @@ def scrub(text: str, known: Iterable[str | None] = ()) -> str:
 
 @contextmanager
 def scrubbed_launch_errors(known: Iterable[str | None]) -> Iterator[None]:
-    """Re-raise a `LaunchError` (log tails included) with `known` secrets and key shapes scrubbed;
-    the original is not chained (its text holds what was scrubbed)."""
+    """Re-raise a `LaunchError` (log tails included) with `known` secrets and key shapes scrubbed
+    from its message (the same exception, its text replaced: no unscrubbed copy stays chained)."""
     try:
         yield
     except LaunchError as exc:
-        raise LaunchError(scrub(str(exc), known)) from None
+        exc.args = (scrub(str(exc), known),)
+        raise
 
 
 def refuse_key_flags(argv: Iterable[str], field: str) -> None:
