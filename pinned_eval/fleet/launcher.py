@@ -15,7 +15,8 @@ Contract:
 - `LaunchedFleet.revive(url)` kills that engine's process group and relaunches the same command
   on the same port, returning when it is healthy. Its weights are then the boot checkpoint: the
   fleet client must pin it again before it serves.
-- `stop()` kills router and engines by recorded PID/process group only, then removes the state file.
+- `stop()` kills router and engines by recorded PID/process group only, then removes the SGLang
+  key file and the state file.
 - Ports are free ports picked at launch; the router's Prometheus port too (its default clashes).
 """
 
@@ -58,6 +59,7 @@ from pinned_eval.processes import (
 from pinned_eval.settings import Settings
 
 STATE_FORMAT = 1
+SGLANG_KEY_CONFIG = "sglang-keys.yaml"  # in the fleet's log dir; removed by stop()
 
 
 def default_state_file() -> Path:
@@ -212,6 +214,7 @@ class LaunchedFleet:
     def stop(self) -> None:
         """Stop the router and every engine (by recorded PID/process group); remove the state file."""
         stop_processes([*([self.state.router] if self.state.router else []), *self.state.engines])
+        (Path(self.state.log_dir) / SGLANG_KEY_CONFIG).unlink(missing_ok=True)
         if self.state_file is not None:
             self.state_file.unlink(missing_ok=True)
 
@@ -334,7 +337,7 @@ def launch_sglang_fleet(
     """Real SGLang engines on this host's GPUs (see `sglang_args`) behind sglang-router; keys not
     given are generated and reach SGLang in a 0600 `--config` file under the 0700 `log_dir`."""
     keys = FleetKeys.resolve(api_key, admin_api_key)
-    key_config = write_sglang_key_config(private_dir(log_dir) / "sglang-keys.yaml", keys)
+    key_config = write_sglang_key_config(private_dir(log_dir) / SGLANG_KEY_CONFIG, keys)
     specs = sglang_engine_specs(spec, [free_port() for _ in range(spec.num_engines)], key_config=key_config)
     return launch_fleet(
         specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,

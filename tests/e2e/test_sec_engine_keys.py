@@ -180,3 +180,37 @@ def test_launch_failure_message_carries_no_key(tmp_path: Path, neighbour: Neighb
     for exc in (e for e in chain if e is not None):
         assert api_key not in str(exc) and admin_key not in str(exc), str(exc)
     assert os.environ.get("PINNED_EVAL_ENGINE_API_KEY") != api_key  # the launcher's own env is untouched
+
+
+def test_sglang_launch_mode_gets_keys_by_config_file(
+    tiny_model_dir: Path, neighbour: Neighbour, shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`launch_sglang_fleet` with no key configured, through a GPU-free `sglang.launch_server`
+    (tests/fake_sglang: SGLang's `--config` merge, then the CPU engine in-process): the engine
+    has generated keys, its command line only the 0600 key file's path, and the neighbour's
+    weight swap is 401."""
+    from pinned_eval.fleet.launcher import launch_sglang_fleet
+    from pinned_eval.fleet.sglang_args import SGLangFleetSpec
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(repo / "tests" / "fake_sglang"), str(repo)]))
+    spec = SGLangFleetSpec(model_path=str(tiny_model_dir), num_gpus=1, weight_version="3")
+    root = shared_dir / "sglang-fleet"
+    fleet = launch_sglang_fleet(spec, log_dir=root / "logs", state_file=root / "fleet.json", ready_timeout_s=180)
+    try:
+        [engine] = fleet.engine_urls
+        cmdline = run_as(neighbour, READ_CMDLINE, str(fleet.pid_of(engine))).stdout
+        assert "sglang.launch_server" in cmdline and "--config" in cmdline, cmdline
+        assert "--api-key" not in cmdline and "--admin-api-key" not in cmdline, cmdline
+        key_file = cmdline.split("--config ", 1)[1].split()[0]
+        assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+        assert run_as(neighbour, TRY_READ, key_file).stdout.split()[0] == "DENIED"
+        swap = json.dumps({"model_path": str(tiny_model_dir), "weight_version": "evil"})
+        got = run_as(neighbour, POST, f"{engine}/update_weights_from_disk", swap)
+        assert got.stdout.strip() == "401", got.stdout + got.stderr
+        assert fleet.keys is not None
+        info = httpx.get(f"{engine}/model_info", headers={"Authorization": f"Bearer {fleet.keys.api}"}, timeout=30)
+        assert info.json()["weight_version"] == "3"
+    finally:
+        fleet.stop()
+    assert not Path(key_file).exists(), "stop() removes the key file"
