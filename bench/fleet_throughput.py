@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import statistics
 import tempfile
 import time
@@ -26,6 +27,7 @@ REQUESTS = 48
 CONCURRENCY = 16
 NEW_TOKENS = 16
 ROUNDS = 5
+KEY = secrets.token_urlsafe(32)  # the bench fleet's API and admin key
 SAMPLING = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -55,9 +57,12 @@ async def _plain_round(http: httpx.AsyncClient, engines: list[str]) -> tuple[flo
 
 
 async def _measure(engine_urls: list[str], router_url: str, snapshot: Path) -> dict[str, list[float]]:
-    config = FleetConfig(max_concurrency=CONCURRENCY, router_ready_timeout_s=120, worker_timeout_s=120)
+    config = FleetConfig(max_concurrency=CONCURRENCY, router_ready_timeout_s=120, worker_timeout_s=120,
+                         api_key=KEY, admin_api_key=KEY)
     out: dict[str, list[float]] = {"fleet": [], "plain": [], "pin": []}
-    async with FleetClient(engine_urls, router_url, config=config) as client, httpx.AsyncClient(timeout=600) as http:
+    async with FleetClient(engine_urls, router_url, config=config) as client, httpx.AsyncClient(
+        timeout=600, headers={"Authorization": f"Bearer {KEY}"}
+    ) as http:
         for version in range(2):  # the first pin also warms both engines
             started = time.perf_counter()
             await client.pin(snapshot, f"bench-{version}")
@@ -77,7 +82,8 @@ def main() -> None:
         root = Path(tmp)
         base = make_tiny_model(root / "base", arch="llama", seed=0)
         snapshot = perturb_snapshot(base, root / "step_1", seed=1)
-        fleet = launch_cpu_fleet(base, ENGINES, log_dir=root / "logs", ready_timeout_s=300)
+        fleet = launch_cpu_fleet(base, ENGINES, log_dir=root / "logs", api_key=KEY, admin_api_key=KEY,
+                                 ready_timeout_s=300)
         try:
             assert fleet.router_url is not None
             out = asyncio.run(_measure(fleet.engine_urls, fleet.router_url, snapshot))

@@ -15,6 +15,7 @@ ratio = full / adapter (> 1: adapter mode is faster).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import statistics
 import tempfile
 import time
@@ -22,13 +23,16 @@ from pathlib import Path
 
 REPEATS = 5
 ENGINES = 2
+KEY = secrets.token_urlsafe(32)  # the bench fleet's API and admin key (one value: one header for both planes)
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 async def _pins(urls: list[str], router: str, snaps: list[str], base: str | None) -> list[float]:
     from pinned_eval.fleet import FleetClient, FleetConfig
 
     times = []
-    async with FleetClient(urls, router, config=FleetConfig(router_ready_timeout_s=120)) as client:
+    config = FleetConfig(router_ready_timeout_s=120, api_key=KEY, admin_api_key=KEY)
+    async with FleetClient(urls, router, config=config) as client:
         for i in range(REPEATS + 1):
             t0 = time.perf_counter()
             await client.pin(snaps[i % 2], str(100 + i), lora_base=base)
@@ -42,7 +46,7 @@ def _loads(url: str, fulls: list[str], adapters: list[str]) -> tuple[float, floa
     import httpx
 
     full, adapter = [], []
-    with httpx.Client(base_url=url, timeout=300) as http:
+    with httpx.Client(base_url=url, timeout=300, headers=AUTH) as http:
         for i in range(REPEATS):
             t0 = time.perf_counter()
             http.post("/update_weights_from_disk", json={"model_path": fulls[i % 2]}).raise_for_status()
@@ -79,7 +83,8 @@ def main() -> None:
         t0 = time.perf_counter()
         merged = [export_merged(a, base, str(root / f"step_m{i}")) for i, a in enumerate(adapters)]
         merged_export = (time.perf_counter() - t0) / 2
-        fleet = launch_cpu_fleet(base, ENGINES, log_dir=root / "logs", ready_timeout_s=300)
+        fleet = launch_cpu_fleet(base, ENGINES, log_dir=root / "logs", api_key=KEY, admin_api_key=KEY,
+                                 ready_timeout_s=300)
         try:
             assert fleet.router_url is not None
             full = asyncio.run(_pins(fleet.engine_urls, fleet.router_url, merged, None))

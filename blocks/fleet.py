@@ -85,9 +85,11 @@ class FleetBlock(Block):
         default=32, ge=1, le=4096, description="Most generate requests in flight against this fleet."
     )
     load_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one weight load on one engine.")
-    api_key: SecretStr | None = Field(default=None, description="Engines' `--api-key` (data plane bearer token).")
+    api_key: SecretStr | None = Field(
+        default=None, description="Engines' API key (data plane); launch mode: generated when unset."
+    )
     admin_api_key: SecretStr | None = Field(
-        default=None, description="Engines' `--admin-api-key` (control plane bearer token)."
+        default=None, description="Engines' admin key (control plane); launch mode: generated when unset."
     )
 
     @model_validator(mode="after")
@@ -117,7 +119,7 @@ class FleetBlock(Block):
         if self.mode == "attach":
             return FleetClient(self.engine_urls, self.router_url, config=config)
         launched = LaunchedFleet.load(Path(str(self.state_file)), api_key=config.api_key)
-        return FleetClient(launched.engine_urls, launched.router_url, config=config, reviver=launched)
+        return launched.client(config)  # keys this block does not set come from the 0600 state file
 
     def launch(self, *, ready_timeout_s: float = 1800.0) -> LaunchedFleet:
         """Start this fleet (launch mode): `engines` CPU engines, or SGLang engines with
@@ -128,8 +130,8 @@ class FleetBlock(Block):
             raise ValueError("launch: needs mode 'launch' and `model_path`")
         state = Path(str(self.state_file))
         api_key = self.api_key.get_secret_value() if self.api_key else None
+        admin = self.admin_api_key.get_secret_value() if self.admin_api_key else None
         if self.backend == "cpu":
-            admin = self.admin_api_key.get_secret_value() if self.admin_api_key else None
             return launch_cpu_fleet(
                 self.model_path, self.engines, state_file=state, api_key=api_key, admin_api_key=admin,
                 ready_timeout_s=ready_timeout_s,
@@ -144,5 +146,6 @@ class FleetBlock(Block):
             lora_target_modules=self.lora_target_modules if self.lora_mode == "adapter" else [],
         )
         return launch_sglang_fleet(
-            spec, log_dir=state.parent / "logs", state_file=state, api_key=api_key, ready_timeout_s=ready_timeout_s
-        )
+            spec, log_dir=state.parent / "logs", state_file=state, api_key=api_key, admin_api_key=admin,
+            ready_timeout_s=ready_timeout_s,
+        )  # fmt: skip

@@ -1,6 +1,9 @@
 """The engine's command line: `python -m engine` (= `serve`), also mounted by the app as
 `pinned-eval engine serve` and `pinned-eval tiny-model`.
 
+Keys: `--api-key`/`--admin-api-key` exist for SGLang parity, but a flag is visible to every local
+user in `ps`; launchers pass them in the environment instead (`API_KEY_ENV`, `ADMIN_API_KEY_ENV`),
+which only the engine's own user can read.
 Both verbs import torch/transformers lazily so `pinned-eval --help` stays fast. Exit codes:
 0 success, 1 the engine failed, 2 bad usage (typer).
 """
@@ -13,7 +16,7 @@ from typing import Annotated, Literal
 import typer
 from pydantic import ValidationError
 
-from engine.launch import EngineArgs
+from engine.launch import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineArgs
 
 app = typer.Typer(help="The bundled CPU engine that speaks SGLang's native HTTP API.", no_args_is_help=True)
 
@@ -25,8 +28,13 @@ def serve(
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     weight_version: Annotated[str, typer.Option(help="Initial weight version label.")] = "default",
     served_model_name: Annotated[str | None, typer.Option(help="Model id (default: the model path).")] = None,
-    api_key: Annotated[str | None, typer.Option(help="Bearer key for normal endpoints.")] = None,
-    admin_api_key: Annotated[str | None, typer.Option(help="Bearer key for control endpoints.")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar=API_KEY_ENV, show_envvar=True, help="Bearer key for normal endpoints.")
+    ] = None,
+    admin_api_key: Annotated[
+        str | None,
+        typer.Option(envvar=ADMIN_API_KEY_ENV, show_envvar=True, help="Bearer key for control endpoints."),
+    ] = None,
     threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 1,
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 64,
     context_length: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Where the engine reads its keys (the launcher never puts them on the command line).
+API_KEY_ENV = "PINNED_EVAL_ENGINE_API_KEY"
+ADMIN_API_KEY_ENV = "PINNED_EVAL_ENGINE_ADMIN_API_KEY"
 
 class EngineArgs(BaseModel):
     """Startup configuration of one CPU engine (mirrors the SGLang ServerArgs it needs)."""
@@ -21,8 +24,8 @@ class EngineArgs(BaseModel):
     host: str = "127.0.0.1"
     weight_version: str = "default"
     served_model_name: str | None = None
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    api_key: str | None = Field(default=None, repr=False)
+    admin_api_key: str | None = Field(default=None, repr=False)
     threads: int = Field(default=1, ge=1)
     max_batch_size: int = Field(default=64, ge=1)
     context_length: int | None = Field(default=None, ge=2)

@@ -46,6 +46,15 @@ class Stack:
         fleet = LaunchedFleet.load(self.fleet_state)
         return fleet.engine_urls, str(fleet.router_url)
 
+    def fleet_headers(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Bearer headers for the fleet's data plane and control plane (keys from the 0600 state file)."""
+        from pinned_eval.fleet.launcher import LaunchedFleet
+
+        keys = LaunchedFleet.load(self.fleet_state).keys
+        if keys is None:
+            return {}, {}
+        return {"Authorization": f"Bearer {keys.api}"}, {"Authorization": f"Bearer {keys.admin}"}
+
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

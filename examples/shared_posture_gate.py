@@ -30,7 +30,8 @@ async def train(st: _stack.Stack, steps: int, every: int) -> None:
     from trainer_integration.rollout_buffer import Sample
 
     engines, router = st.fleet_urls()
-    http = httpx.AsyncClient(timeout=120)
+    data, admin = st.fleet_headers()  # the engines' keys: the trainer owns this fleet
+    http = httpx.AsyncClient(timeout=120, headers=data)
 
     async def generate_group(group: list[Sample], sample_done: object) -> list[Sample]:  # one /generate per sample
         async def one(s: Sample) -> None:
@@ -45,9 +46,10 @@ async def train(st: _stack.Stack, steps: int, every: int) -> None:
     async def push_weights(step: int) -> None:  # the trainer's weight sync (here: perturbed weights)
         path = st.model_path if step == 0 else perturb_snapshot(st.model_path, st.work / f"w{step}", seed=step)
         for url in engines:
-            (await http.post(f"{url}/update_weights_from_disk", json={"model_path": str(path)})).raise_for_status()
+            load = {"model_path": str(path)}
+            (await http.post(f"{url}/update_weights_from_disk", json=load, headers=admin)).raise_for_status()
             tag = {"new_version": str(step), "abort_all_requests": False}
-            (await http.post(f"{url}/update_weight_version", json=tag)).raise_for_status()
+            (await http.post(f"{url}/update_weight_version", json=tag, headers=admin)).raise_for_status()
 
     gate = ProducerGate()
     config = ProducerConfig(rollout_batch_size=4, n_samples_per_prompt=2, max_weight_staleness=1)

@@ -33,14 +33,16 @@ class RelabelingProxy:
                     self.end_headers()
                     self.wfile.write(canned)
                     return
+                headers = {"Content-Type": "application/json"}
+                if self.headers.get("Authorization"):  # the engine's bearer key passes through
+                    headers["Authorization"] = self.headers["Authorization"]
                 with httpx.Client(timeout=120) as http:
-                    resp = http.request(
-                        method, f"{engine_url}{self.path}", content=body, headers={"Content-Type": "application/json"}
-                    )
+                    resp = http.request(method, f"{engine_url}{self.path}", content=body, headers=headers)
                     if proxy.relabels and self.path == "/update_weights_from_disk" and resp.status_code == 200:
-                        proxy.loads += 1
+                        proxy.loads += 1  # relabel with the load's own (admin) key
                         relabel = {"new_version": label, "abort_all_requests": False}
-                        http.post(f"{engine_url}/update_weight_version", json=relabel).raise_for_status()
+                        relabeled = http.post(f"{engine_url}/update_weight_version", json=relabel, headers=headers)
+                        relabeled.raise_for_status()
                 self.send_response(resp.status_code)
                 self.send_header("Content-Type", resp.headers.get("content-type", "application/json"))
                 self.send_header("Content-Length", str(len(resp.content)))

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from pydantic import SecretStr
 from safetensors.torch import load_file
 
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from pinned_eval.fleet.launcher import LaunchedFleet
 from pinned_eval.snapshot.writer import write_snapshot
 from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
 
@@ -43,9 +45,26 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @dataclass(frozen=True)
 class CpuFleet:
+    """A launched fleet; its keys were generated at launch (the state file holds them too)."""
+
     state_file: Path
     engine_urls: list[str]
     router_url: str
+    api_key: str = field(repr=False)
+    admin_api_key: str = field(repr=False)
+
+    def headers(self, *, admin: bool = False) -> dict[str, str]:
+        """Bearer header with the API key (data plane) or the admin key (control plane)."""
+        return {"Authorization": f"Bearer {self.admin_api_key if admin else self.api_key}"}
+
+    def block_keys(self) -> dict[str, SecretStr]:
+        """The keys as `FleetBlock` fields, for blocks that attach to this fleet."""
+        return {"api_key": SecretStr(self.api_key), "admin_api_key": SecretStr(self.admin_api_key)}
+
+    @classmethod
+    def of(cls, fleet: LaunchedFleet) -> CpuFleet:
+        assert fleet.state_file is not None and fleet.router_url is not None and fleet.keys is not None
+        return cls(fleet.state_file, fleet.engine_urls, fleet.router_url, fleet.keys.api, fleet.keys.admin)
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +74,7 @@ def cpu_fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     state = tmp_path_factory.mktemp("fleet") / "fleet.json"
     fleet = launch_cpu_fleet(tiny_model, 2, state_file=state, ready_timeout_s=180)
     try:
-        assert fleet.router_url is not None
-        yield CpuFleet(state, fleet.engine_urls, fleet.router_url)
+        yield CpuFleet.of(fleet)
     finally:
         fleet.stop()
 

@@ -17,6 +17,10 @@ come from `PINNED_EVAL_EXTERNAL_*` variables, like miles' `MILES_EXTERNAL_EVAL_*
   with the suite's rewards. Errors map to skips as `pinned_eval.skip_mapping` says: a response
   from other weights → `pin_violation`; a server that stops serving → `unhealthy`; a remote
   reward service that gives no reward → `reward_unavailable`.
+- Keys: a launched server always has an API key and an admin key (the configured ones, else
+  generated); the CPU engine gets them in its environment, SGLang in a 0600 `--config` YAML under
+  the 0700 log dir, never on the command line (`extra_args` with a key flag are refused). Its log
+  is 0600, and a launch error's log tail is scrubbed of the keys before it is raised.
 - `dispose()` stops the process group it launched (by recorded PID and start time), never an
   attached server. Idempotent.
 `history` records every pin attempt and generate count, for logs and tests.
@@ -44,6 +48,14 @@ from pinned_eval.external import (
 )
 from pinned_eval.fleet.client import FleetClient, FleetConfig
 from pinned_eval.fleet.generate import GenerateResult, RouterGenerator, build_generate_body
+from pinned_eval.fleet.keys import (
+    FleetKeys,
+    private_dir,
+    private_file,
+    refuse_key_flags,
+    scrub,
+    write_sglang_key_config,
+)
 from pinned_eval.fleet.launcher import cpu_engine_specs
 from pinned_eval.fleet.models import EngineCheck, EngineInfo, normalize_path, normalize_url
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
@@ -107,6 +119,7 @@ class SGLangBackendConfig(BaseModel):
             raise ValueError("gpus: launch='sglang' needs GPU ids, e.g. [6, 7]")
         if self.launch != "sglang" and self.gpus:
             raise ValueError("gpus: only used with launch='sglang'")
+        refuse_key_flags(self.extra_args, "extra_args")
         return self
 
     @classmethod
@@ -123,8 +136,9 @@ class SGLangBackendConfig(BaseModel):
         return cls.model_validate({k: v for k, v in values.items() if v is not None})
 
 
-def sglang_launch_spec(config: SGLangBackendConfig, port: int) -> ProcessSpec:
-    """The real SGLang server command + env of a `launch="sglang"` config (fleet code, one engine)."""
+def sglang_launch_spec(config: SGLangBackendConfig, port: int, key_config: Path | None = None) -> ProcessSpec:
+    """The real SGLang server command + env of a `launch="sglang"` config (fleet code, one engine);
+    `key_config` is the 0600 YAML with its keys (`--config`)."""
     if config.launch != "sglang" or not config.gpus or not config.model_path:
         raise ValueError("launch: sglang_launch_spec needs launch='sglang' with gpus and model_path")
     spec = SGLangFleetSpec(
@@ -135,19 +149,22 @@ def sglang_launch_spec(config: SGLangBackendConfig, port: int) -> ProcessSpec:
         base_args=config.server_args,
         python=config.python,
     )
-    [engine] = sglang_engine_specs(spec, [port])
+    [engine] = sglang_engine_specs(spec, [port], key_config=key_config)
     return engine.model_copy(update={"command": [*engine.command, *config.extra_args]})
 
 
-def launch_spec(config: SGLangBackendConfig) -> ProcessSpec:
-    """What a launching config starts: real SGLang on GPUs, or the bundled CPU engine."""
+def launch_spec(
+    config: SGLangBackendConfig, keys: FleetKeys | None = None, key_config: Path | None = None
+) -> ProcessSpec:
+    """What a launching config starts: real SGLang on GPUs (keys in `key_config`), or the bundled
+    CPU engine (`keys`, default the configured ones, in its environment)."""
     if config.launch == "sglang":
-        return sglang_launch_spec(config, config.port or free_port())
+        return sglang_launch_spec(config, config.port or free_port(), key_config)
     assert config.model_path is not None  # validated
+    api_key, admin = (keys.api, keys.admin) if keys else (config.api_key, config.admin_api_key)
     [spec] = cpu_engine_specs(
-        normalize_path(config.model_path), 1, api_key=config.api_key, admin_api_key=config.admin_api_key,
-        python=config.python,
-    )  # fmt: skip
+        normalize_path(config.model_path), 1, api_key=api_key, admin_api_key=admin, python=config.python
+    )
     if config.port is not None:
         command = list(spec.command)
         command[command.index("--port") + 1] = str(config.port)
@@ -179,13 +196,21 @@ class SGLangCheckpointEval(CheckpointEvalFn):
         self.config = SGLangBackendConfig(**options) if options else SGLangBackendConfig.from_env()
         self.history = BackendHistory()
         self._process: ProcessRecord | None = None
+        self._key_config: Path | None = None
         self._healthy = False
+        self._api_key, self._admin_api_key = self.config.api_key, self.config.admin_api_key
         if self.config.url is not None:
             self.url = normalize_url(self.config.url)
             return
-        spec = launch_spec(self.config)
-        log_dir = Path(self.config.log_dir) if self.config.log_dir else Settings().home / "external"
-        self._process, _ = start_process(spec, log_dir / f"external-{spec.port}.log")
+        keys = FleetKeys.resolve(self.config.api_key, self.config.admin_api_key)
+        self._api_key, self._admin_api_key = keys.api, keys.admin
+        log_dir = private_dir(Path(self.config.log_dir) if self.config.log_dir else Settings().home / "external")
+        key_config = None
+        if self.config.launch == "sglang":
+            key_config = write_sglang_key_config(log_dir / f"keys-{os.getpid()}-{id(self):x}.yaml", keys)
+            self._key_config = key_config
+        spec = launch_spec(self.config, keys, key_config)
+        self._process, _ = start_process(spec, private_file(log_dir / f"external-{spec.port}.log"))
         self.url = spec.url
 
     @property
@@ -205,6 +230,9 @@ class SGLangCheckpointEval(CheckpointEvalFn):
         if self._process is not None:
             stop_process(self._process)
             self._process = None
+        if self._key_config is not None:
+            self._key_config.unlink(missing_ok=True)
+            self._key_config = None
 
     # ---- health and pin ----------------------------------------------------------------
 
@@ -216,10 +244,8 @@ class SGLangCheckpointEval(CheckpointEvalFn):
         async def healthy() -> bool:
             nonlocal last
             if self._process is not None and not is_running(self._process):
-                raise LaunchError(
-                    f"launched server {self.url} exited; log {self._process.log_path}:\n"
-                    f"{log_tail(self._process.log_path)}"
-                )
+                tail = scrub(log_tail(self._process.log_path), [self._api_key, self._admin_api_key])
+                raise LaunchError(f"launched server {self.url} exited; log {self._process.log_path}:\n{tail}")
             try:
                 resp = await http.get(f"{self.url}/health_generate", timeout=30.0)
             except httpx.TransportError as exc:
@@ -237,8 +263,8 @@ class SGLangCheckpointEval(CheckpointEvalFn):
     async def _pin(self, checkpoint_dir: str, version: str) -> EngineInfo:
         """The fleet client's pin-and-read-back on this one server (`pin_attempts` attempts)."""
         config = FleetConfig(
-            api_key=self.config.api_key,
-            admin_api_key=self.config.admin_api_key,
+            api_key=self._api_key,
+            admin_api_key=self._admin_api_key,
             load_timeout_s=self.config.load_timeout_s,
             pin_attempts=self.config.pin_attempts,
         )
@@ -260,7 +286,7 @@ class SGLangCheckpointEval(CheckpointEvalFn):
         gen = RouterGenerator(
             http,
             self.url,
-            api_key=self.config.api_key,
+            api_key=self._api_key,
             max_concurrency=self.config.max_concurrency,
             abort_retries=self.config.abort_retries,
         )

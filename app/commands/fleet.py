@@ -3,6 +3,10 @@
 `up` returns once every engine and the router are ready and leaves them running detached (each in
 its own process group); the state file (PIDs, start times, ports, commands) is what `down` and
 the fleet client use later, from any process. Exit codes: 0 ok, 1 launch/stop failed, 2 bad usage.
+Every engine and the router get an API key and an admin key, generated here (none is configured
+on this CLI): they travel by environment or a 0600 file, never argv, and live in the state file
+(0600, in a 0700 directory), where the fleet client and a launch-mode FleetBlock read them.
+Launch errors are printed scrubbed of the keys.
 """
 
 from __future__ import annotations

@@ -5,11 +5,18 @@ Contract:
   each answers `/health` and `/model_info`, then starts the router with exactly those engines and
   waits until it lists all of them healthy. Anything failing stops what was started and raises
   `LaunchError`. The returned `LaunchedFleet` writes a JSON state file (PIDs, start times,
-  commands, ports) so another process (`pinned-eval fleet down`, a flow run) can revive or stop it.
+  commands, ports, keys) so another process (`pinned-eval fleet down`, a flow run) can revive,
+  stop or talk to it (`LaunchedFleet.client`).
+- Keys: every launched engine has an API key and an admin key, the router the API key
+  (`FleetKeys.resolve`: configured ones, else generated). They reach the processes by environment
+  (CPU engine, router wrapper) or a 0600 `--config` file (real SGLang), never argv. The state file
+  is 0600 in a 0700 directory; logs are 0600 in a 0700 `log_dir`; every `LaunchError` leaving
+  this module is scrubbed of the keys (`fleet.keys.scrub`).
 - `LaunchedFleet.revive(url)` kills that engine's process group and relaunches the same command
   on the same port, returning when it is healthy. Its weights are then the boot checkpoint: the
   fleet client must pin it again before it serves.
-- `stop()` kills router and engines by recorded PID/process group only, then removes the state file.
+- `stop()` kills router and engines by recorded PID/process group only, then removes the SGLang
+  key file and the state file.
 - Ports are free ports picked at launch; the router's Prometheus port too (its default clashes).
 """
 
@@ -19,11 +26,22 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, Field
 
+from pinned_eval.fleet.client import FleetClient, FleetConfig
 from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
+from pinned_eval.fleet.keys import (
+    ROUTER_API_KEY_ENV,
+    FleetKeys,
+    private_dir,
+    private_file,
+    scrubbed_launch_errors,
+    write_private,
+    write_sglang_key_config,
+)
 from pinned_eval.fleet.models import normalize_url
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec, sglang_engine_specs
 from pinned_eval.processes import (
@@ -41,6 +59,7 @@ from pinned_eval.processes import (
 from pinned_eval.settings import Settings
 
 STATE_FORMAT = 1
+SGLANG_KEY_CONFIG = "sglang-keys.yaml"  # in the fleet's log dir; removed by stop()
 
 
 def default_state_file() -> Path:
@@ -55,6 +74,7 @@ class FleetState(BaseModel):
     router: ProcessRecord | None = None
     log_dir: str
     created_at: float = Field(default_factory=time.time)
+    keys: FleetKeys | None = Field(default=None, description="None: a state file from before fleet keys.")
 
 
 def cpu_engine_specs(
@@ -67,7 +87,8 @@ def cpu_engine_specs(
     threads_per_engine: int | None = None,
     python: str = sys.executable,
 ) -> list[ProcessSpec]:
-    """`python -m engine` (the bundled CPU engine) commands, one free port each."""
+    """`python -m engine` (the bundled CPU engine) commands, one free port each; the keys go in
+    each engine's environment (never its argv)."""
     threads = threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     specs = []
     for _ in range(n_engines):
@@ -93,18 +114,17 @@ def router_spec(
     health_check_interval_s: int = 2,
     python: str = sys.executable,
 ) -> ProcessSpec:
-    """`python -m sglang_router.launch_router` on 127.0.0.1 fronting `worker_urls`."""
+    """sglang-router on 127.0.0.1 fronting `worker_urls`, through `fleet.router_main` so that its API
+    key (also the workers' key it forwards) travels in the environment, not in argv."""
     port = port or free_port()
-    cmd = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [python, "-m", "pinned_eval.fleet.router_main", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     cmd += ["--health-check-interval-secs", str(health_check_interval_s), "--worker-startup-check-interval", "1"]
     cmd += ["--health-check-timeout-secs", "30"]  # SGLang's /health generates a token: slow under load
     cmd += ["--log-level", "warn"]
-    if api_key:
-        cmd += ["--api-key", api_key]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
-    return ProcessSpec(role="router", command=cmd, port=port)
+    return ProcessSpec(role="router", command=cmd, port=port, env={ROUTER_API_KEY_ENV: api_key} if api_key else {})
 
 
 class LaunchedFleet:
@@ -121,11 +141,32 @@ class LaunchedFleet:
         self.state = state
         self.state_file = state_file
         self.ready_timeout_s = ready_timeout_s
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._api_key = api_key or (state.keys.api if state.keys else None)
+        self._headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    @property
+    def keys(self) -> FleetKeys | None:
+        """The keys the fleet was launched with (None for a state file from before fleet keys)."""
+        return self.state.keys
+
+    def client_config(self, config: FleetConfig | None = None) -> FleetConfig:
+        """`config` (default: `FleetConfig()`) with this fleet's keys where it sets none."""
+        config = config or FleetConfig()
+        keys = self.state.keys
+        if keys is None:
+            return config
+        return config.model_copy(
+            update={"api_key": config.api_key or keys.api, "admin_api_key": config.admin_api_key or keys.admin}
+        )
+
+    def client(self, config: FleetConfig | None = None, **kwargs: Any) -> FleetClient:
+        """A fleet client over these engines and router, with this fleet's keys, reviving through it."""
+        return FleetClient(self.engine_urls, self.router_url, config=self.client_config(config), reviver=self,
+                           **kwargs)  # fmt: skip
 
     @classmethod
     def load(cls, state_file: Path, *, ready_timeout_s: float = 300.0, api_key: str | None = None) -> LaunchedFleet:
-        """Re-open a fleet launched by another process from its state file."""
+        """Re-open a fleet launched by another process from its state file (which holds its keys)."""
         state = FleetState.model_validate_json(state_file.read_text())
         if state.format != STATE_FORMAT:
             raise LaunchError(f"{state_file}: state format {state.format}, this pinned-eval reads {STATE_FORMAT}")
@@ -161,26 +202,26 @@ class LaunchedFleet:
         """Kill the engine's process group, relaunch the same command on the same port, wait healthy."""
         i, old = self._index(url)
         stop_process(old)
-        new, popen = start_process(old.spec, Path(old.log_path))
-        self.state.engines[i] = new
-        self.save()
-        wait_http_ok(new, timeout_s=self.ready_timeout_s, headers=self._headers, popen=popen)
+        with scrubbed_launch_errors(self._secrets()):
+            new, popen = start_process(old.spec, private_file(Path(old.log_path)))
+            self.state.engines[i] = new
+            self.save()
+            wait_http_ok(new, timeout_s=self.ready_timeout_s, headers=self._headers, popen=popen)
+
+    def _secrets(self) -> list[str | None]:
+        return [self._api_key, *(self.state.keys.values() if self.state.keys else [])]
 
     def stop(self) -> None:
         """Stop the router and every engine (by recorded PID/process group); remove the state file."""
         stop_processes([*([self.state.router] if self.state.router else []), *self.state.engines])
+        (Path(self.state.log_dir) / SGLANG_KEY_CONFIG).unlink(missing_ok=True)
         if self.state_file is not None:
             self.state_file.unlink(missing_ok=True)
 
     def save(self) -> None:
-        if self.state_file is None:
-            return
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # commands may hold API keys
-        with os.fdopen(fd, "w") as f:
-            f.write(self.state.model_dump_json(indent=2))
-        os.replace(tmp, self.state_file)
+        """Write the state file: mode 0600 in a 0700 directory (it holds the keys)."""
+        if self.state_file is not None:
+            write_private(self.state_file, self.state.model_dump_json(indent=2))
 
     def __enter__(self) -> LaunchedFleet:
         return self
@@ -219,36 +260,41 @@ def launch_fleet(
     state_file: Path | None = None,
     router_port: int | None = None,
     policy: str = "round_robin",
-    api_key: str | None = None,
+    keys: FleetKeys | None = None,
     with_router: bool = True,
     ready_timeout_s: float = 300.0,
 ) -> LaunchedFleet:
-    """Start the engines, wait healthy, start the router over them, wait until it lists them all."""
+    """Start the engines, wait healthy, start the router over them, wait until it lists them all.
+
+    `engine_specs` already carry the engines' keys (`keys`, generated when None, is what the
+    state file records, the health probes send and the router gets)."""
     if not engine_specs:
         raise ValueError("engine_specs: a fleet needs at least one engine")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    started = [start_process(s, log_dir / f"engine-{s.port}.log") for s in engine_specs]
-    fleet = LaunchedFleet(
-        FleetState(engines=[rec for rec, _ in started], log_dir=str(log_dir)),
-        state_file,
-        ready_timeout_s=ready_timeout_s,
-        api_key=api_key,
-    )
-    fleet.save()
-    try:
-        for rec, popen in started:
-            wait_http_ok(rec, timeout_s=ready_timeout_s, headers=headers, popen=popen)
-            wait_http_ok(rec, timeout_s=ready_timeout_s, path="/model_info", headers=headers, popen=popen)
-        if with_router:
-            spec = router_spec(fleet.engine_urls, port=router_port, policy=policy, api_key=api_key)
-            router, popen = start_process(spec, log_dir / f"router-{spec.port}.log")
-            fleet.state.router = router
+    keys = keys or FleetKeys.resolve()
+    headers = {"Authorization": f"Bearer {keys.api}"}
+    private_dir(log_dir)
+    with scrubbed_launch_errors(keys.values()):
+        started = [start_process(s, private_file(log_dir / f"engine-{s.port}.log")) for s in engine_specs]
+        fleet = LaunchedFleet(
+            FleetState(engines=[rec for rec, _ in started], log_dir=str(log_dir), keys=keys),
+            state_file,
+            ready_timeout_s=ready_timeout_s,
+        )
+        try:
             fleet.save()
-            wait_http_ok(router, timeout_s=ready_timeout_s, popen=popen)
-            _wait_router_members(router, fleet.engine_urls, ready_timeout_s, headers)
-    except BaseException:
-        fleet.stop()
-        raise
+            for rec, popen in started:
+                wait_http_ok(rec, timeout_s=ready_timeout_s, headers=headers, popen=popen)
+                wait_http_ok(rec, timeout_s=ready_timeout_s, path="/model_info", headers=headers, popen=popen)
+            if with_router:
+                spec = router_spec(fleet.engine_urls, port=router_port, policy=policy, api_key=keys.api)
+                router, popen = start_process(spec, private_file(log_dir / f"router-{spec.port}.log"))
+                fleet.state.router = router
+                fleet.save()
+                wait_http_ok(router, timeout_s=ready_timeout_s, popen=popen)
+                _wait_router_members(router, fleet.engine_urls, ready_timeout_s, headers)
+        except BaseException:
+            fleet.stop()
+            raise
     return fleet
 
 
@@ -265,14 +311,15 @@ def launch_cpu_fleet(
     admin_api_key: str | None = None,
     ready_timeout_s: float = 300.0,
 ) -> LaunchedFleet:
-    """N bundled CPU engines serving `model_path` behind sglang-router."""
+    """N bundled CPU engines serving `model_path` behind sglang-router; keys not given are generated."""
+    keys = FleetKeys.resolve(api_key, admin_api_key)
     specs = cpu_engine_specs(
-        model_path, n_engines, weight_version=weight_version, api_key=api_key, admin_api_key=admin_api_key
+        model_path, n_engines, weight_version=weight_version, api_key=keys.api, admin_api_key=keys.admin
     )
     log_dir = log_dir or (state_file.parent if state_file else Settings().home / "fleet") / "logs"
     return launch_fleet(
         specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,
-        api_key=api_key, ready_timeout_s=ready_timeout_s,
+        keys=keys, ready_timeout_s=ready_timeout_s,
     )  # fmt: skip
 
 
@@ -284,11 +331,15 @@ def launch_sglang_fleet(
     router_port: int | None = None,
     policy: str = "round_robin",
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     ready_timeout_s: float = 1800.0,
 ) -> LaunchedFleet:
-    """Real SGLang engines on this host's GPUs (see `sglang_args`) behind sglang-router."""
-    specs = sglang_engine_specs(spec, [free_port() for _ in range(spec.num_engines)])
+    """Real SGLang engines on this host's GPUs (see `sglang_args`) behind sglang-router; keys not
+    given are generated and reach SGLang in a 0600 `--config` file under the 0700 `log_dir`."""
+    keys = FleetKeys.resolve(api_key, admin_api_key)
+    key_config = write_sglang_key_config(private_dir(log_dir) / SGLANG_KEY_CONFIG, keys)
+    specs = sglang_engine_specs(spec, [free_port() for _ in range(spec.num_engines)], key_config=key_config)
     return launch_fleet(
         specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,
-        api_key=api_key, ready_timeout_s=ready_timeout_s,
+        keys=keys, ready_timeout_s=ready_timeout_s,
     )  # fmt: skip

@@ -17,6 +17,10 @@ Rules (miles `_apply_eval_model_config`, reference miles-eval §8):
   <modules|all>` after the TP and before the overrides (SGLang sizes its LoRA buffers at launch;
   adapters are loaded later with /load_lora_adapter, so no `--lora-paths`).
 - Engine i gets `CUDA_VISIBLE_DEVICES` = its own `gpus_per_engine` consecutive GPU ids.
+- Keys never go on the command line (visible in `ps`): `api_key`, `admin_api_key` and `config`
+  are launcher-owned (dropped from the base, refused in overrides); the launcher writes them to a
+  0600 YAML file (`fleet.keys.write_sglang_key_config`) and the command carries only
+  `--config <file>` (SGLang's `prepare_server_args` merges it in-process; only one `--config`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import logging
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -37,6 +42,7 @@ TP_COUPLED_SIZES = ("dp_size", "pp_size", "ep_size", "attn_cp_size")
 EVAL_DEFAULTS: dict[str, Any] = {"enable_return_routed_experts": False, "enable_return_indexer_topk": False}
 LAUNCHER_OWNED = frozenset(
     {"host", "port", "base_gpu_id", "gpu_id_step", "nnodes", "node_rank", "dist_init_addr", "nccl_port"}
+    | {"api_key", "admin_api_key", "config"}  # keys: a 0600 --config file, never argv
 )
 _FIELD = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -131,12 +137,17 @@ def server_args_to_cli(args: dict[str, Any]) -> list[str]:
     return out
 
 
-def sglang_engine_specs(spec: SGLangFleetSpec, ports: list[int]) -> list[ProcessSpec]:
-    """One `ProcessSpec` per engine: same server args, own port, own GPUs."""
+def sglang_engine_specs(
+    spec: SGLangFleetSpec, ports: list[int], *, key_config: Path | None = None
+) -> list[ProcessSpec]:
+    """One `ProcessSpec` per engine: same server args, own port, own GPUs; `key_config` (the 0600
+    YAML with the keys) is passed as `--config`."""
     if len(ports) != spec.num_engines:
         raise ValueError(f"ports: {len(ports)} given for {spec.num_engines} engines")
     gpu_ids = spec.gpu_ids if spec.gpu_ids is not None else list(range(spec.num_gpus))
     cli = server_args_to_cli(resolve_server_args(spec))
+    if key_config is not None:
+        cli += ["--config", str(key_config)]
     specs = []
     for i, port in enumerate(ports):
         gpus = gpu_ids[i * spec.gpus_per_engine : (i + 1) * spec.gpus_per_engine]

@@ -56,8 +56,7 @@ def chatml_fleet(chatml_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     state = tmp_path_factory.mktemp("chatml-fleet") / "fleet.json"
     fleet = launch_cpu_fleet(chatml_model, 1, state_file=state, ready_timeout_s=180)
     try:
-        assert fleet.router_url is not None
-        yield CpuFleet(state, fleet.engine_urls, fleet.router_url)
+        yield CpuFleet.of(fleet)
     finally:
         fleet.stop()
 
@@ -121,7 +120,8 @@ def _data(tmp_path: Path) -> Path:
 
 
 def _env(tmp_path: Path, fleet: CpuFleet, router_url: str, suite: EvalSuite, name: str) -> PointEnv:
-    block = FleetBlock(name=name, mode="attach", engine_urls=fleet.engine_urls, router_url=router_url)
+    block = FleetBlock(name=name, mode="attach", engine_urls=fleet.engine_urls, router_url=router_url,
+                       **fleet.block_keys())
     return save_point_blocks(tmp_path, block, suite=suite, keep_snapshots=0)
 
 
@@ -241,7 +241,8 @@ def test_external_posture_backend_sends_the_same_rendered_prompts(
             source=src,
             posture=Posture.EXTERNAL,
             backend="trainer_integration.sglang_backend:SGLangCheckpointEval",
-            backend_options={"url": proxy.url},
+            backend_options={"url": proxy.url, "api_key": chatml_fleet.api_key,
+                             "admin_api_key": chatml_fleet.admin_api_key},
         )
         sent = _sent(proxy, env.run, AutoTokenizer.from_pretrained(chatml_model))
     finally:

@@ -206,7 +206,8 @@ def test_engine_reporting_another_version_is_pin_violation(
     liar, honest = cpu_fleet.engine_urls
     proxy = RelabelingProxy(liar, "999")
     try:
-        fleet = FleetBlock(name="liar", mode="attach", engine_urls=[proxy.url, honest], router_url=cpu_fleet.router_url)
+        fleet = FleetBlock(name="liar", mode="attach", engine_urls=[proxy.url, honest], router_url=cpu_fleet.router_url,
+                           **cpu_fleet.block_keys())
         env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
         src = staged(env, 14, tiny_model)
         state, _ = run_point(env, 14, source=src)

@@ -48,19 +48,21 @@ def _snapshot(tiny: Path, root: Path, step: int) -> str:
     return write_step_snapshot(tiny, str(root / f"step_{step}"))
 
 
-def _model_info(url: str) -> dict:
-    return httpx.get(f"{url}/model_info", timeout=10).json()
+def _model_info(url: str, api_key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{url}/model_info", headers=headers, timeout=10).json()
 
 
 async def test_launched_cpu_server_waits_pins_then_evals(tiny_model: Path, tmp_path: Path) -> None:
     snap = _snapshot(tiny_model, tmp_path, 5)
-    backend = SGLangCheckpointEval(launch="cpu", model_path=str(tiny_model), log_dir=str(tmp_path / "logs"))
+    backend = SGLangCheckpointEval(launch="cpu", model_path=str(tiny_model), log_dir=str(tmp_path / "logs"),
+                                   api_key="ext-data-key", admin_api_key="ext-admin-key")  # fmt: skip
     launched = backend.launched
     assert launched is not None and is_running(launched)
     try:
         inp = EvalInput(run="exp42", step=5, hf_dir=snap, suite=SMALL_SUITE)
         results = await backend.evaluate_checkpoint(snap, inp)
-        info = _model_info(backend.url)
+        info = _model_info(backend.url, "ext-data-key")
         assert (info["weight_version"], info["model_path"]) == ("5", snap)
     finally:
         backend.dispose()

@@ -38,6 +38,12 @@ CONFIG = FleetConfig(alive_timeout_s=60, poll_interval_s=0.2, router_ready_timeo
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
 
 
+def _auth(fleet: LaunchedFleet, *, admin: bool = False) -> dict[str, str]:
+    """Bearer header with the fleet's (generated) API key, or its admin key."""
+    assert fleet.keys is not None
+    return {"Authorization": f"Bearer {fleet.keys.admin if admin else fleet.keys.api}"}
+
+
 @pytest.fixture(scope="module")
 def snapshots(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from engine.tiny_model import perturb_snapshot
@@ -64,7 +70,7 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 async def test_pin_is_read_back_on_every_engine_and_every_response_carries_it(
     fleet: LaunchedFleet, snapshots: dict[str, Path]
 ) -> None:
-    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+    async with fleet.client(CONFIG) as client:
         result = await client.pin(snapshots["A"], "3")
         infos = [await client.probe(u) for u in fleet.engine_urls]
         outs = [await client.generate(f"{i}+1=", sampling_params=GREEDY, rid=f"p{i}") for i in range(6)]
@@ -77,7 +83,7 @@ async def test_pin_is_read_back_on_every_engine_and_every_response_carries_it(
 async def test_bad_path_is_400_and_leaves_the_engines_unhealthy_until_a_good_load(
     fleet: LaunchedFleet, snapshots: dict[str, Path], tmp_path: Path
 ) -> None:
-    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+    async with fleet.client(CONFIG) as client:
         await client.pin(snapshots["A"], "3")
         with pytest.raises(PinViolation) as err:
             await client.pin(tmp_path / "no-such-snapshot", "4")
@@ -96,7 +102,8 @@ async def test_bad_path_is_400_and_leaves_the_engines_unhealthy_until_a_good_loa
 
 def test_unknown_sampling_key_is_400(fleet: LaunchedFleet) -> None:
     with httpx.Client() as http:
-        resp = http.post(f"{fleet.engine_urls[0]}/generate", json={"text": "1+1=", "sampling_params": {"seed": 7}})
+        resp = http.post(f"{fleet.engine_urls[0]}/generate", json={"text": "1+1=", "sampling_params": {"seed": 7}},
+                         headers=_auth(fleet))
     assert resp.status_code == 400 and "seed" in resp.text
     with pytest.raises(ValueError, match="seed"):
         SamplingParams.model_validate({"seed": 7})  # the client refuses it before sending
@@ -106,7 +113,7 @@ async def test_engine_killed_between_pins_is_revived_and_the_next_pin_succeeds(
     fleet: LaunchedFleet, snapshots: dict[str, Path]
 ) -> None:
     victim = fleet.engine_urls[1]
-    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+    async with fleet.client(CONFIG) as client:
         await client.pin(snapshots["A"], "3")
         old_pid = fleet.pid_of(victim)
         os.kill(old_pid, signal.SIGKILL)
@@ -128,7 +135,7 @@ async def test_engine_reporting_another_version_fails_the_pin_after_two_attempts
     liar_engine, honest = fleet.engine_urls
     proxy = RelabelingProxy(liar_engine, "999")
     try:
-        async with FleetClient([proxy.url, honest], config=CONFIG) as client:
+        async with FleetClient([proxy.url, honest], config=fleet.client_config(CONFIG)) as client:
             with pytest.raises(PinViolation) as err:
                 await client.pin(snapshots["A"], "7")
     finally:
@@ -137,15 +144,16 @@ async def test_engine_reporting_another_version_fails_the_pin_after_two_attempts
     bad = [c for c in err.value.checks if not c.ok]
     assert [(c.url, c.weight_version) for c in bad] == [(proxy.url, "999")]
     with httpx.Client() as http:  # the engine itself reports the other version
-        assert http.get(f"{liar_engine}/model_info").json()["weight_version"] == "999"
+        assert http.get(f"{liar_engine}/model_info", headers=_auth(fleet)).json()["weight_version"] == "999"
 
 
 async def test_a_response_from_another_version_is_refused(fleet: LaunchedFleet, snapshots: dict[str, Path]) -> None:
-    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+    async with fleet.client(CONFIG) as client:
         await client.pin(snapshots["A"], "8")
         with httpx.Client() as http:  # one engine drifts behind the client's back
             relabel = {"new_version": "8-drifted", "abort_all_requests": False}
-            http.post(f"{fleet.engine_urls[0]}/update_weight_version", json=relabel).raise_for_status()
+            http.post(f"{fleet.engine_urls[0]}/update_weight_version", json=relabel,
+                      headers=_auth(fleet, admin=True)).raise_for_status()
         with pytest.raises(WeightVersionMismatch) as err:
             for i in range(4):  # round robin reaches the drifted engine within two requests
                 await client.generate(f"{i}+3=", sampling_params=GREEDY)
@@ -175,7 +183,8 @@ def test_fleet_up_and_down_from_separate_processes(tiny_model_dir: Path, tmp_pat
     try:
         assert up.returncode == 0, up.stderr
         lines = dict(line.split(" ", 1) for line in up.stdout.splitlines())
-        with httpx.Client() as http:
+        auth = _auth(LaunchedFleet.load(state))  # `fleet up` generated the keys; the state file holds them
+        with httpx.Client(headers=auth) as http:
             assert http.get(f"{lines['engine']}/model_info").json()["weight_version"] == "9"
             probe = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
             assert http.post(f"{lines['router']}/generate", json=probe).json()["meta_info"]["weight_version"] == "9"
@@ -199,7 +208,7 @@ async def test_router_membership_add_and_remove(fleet: LaunchedFleet, snapshots:
     from tests.conftest import free_port
 
     first, second = fleet.engine_urls
-    async with FleetClient(fleet.engine_urls, fleet.router_url, config=CONFIG, reviver=fleet) as client:
+    async with fleet.client(CONFIG) as client:
         await client.pin(snapshots["A"], "10")
         router = client.router
         assert await router.remove_worker(second) is True

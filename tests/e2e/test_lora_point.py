@@ -30,16 +30,17 @@ def proxies(cpu_fleet: CpuFleet) -> Iterator[list[RecordingProxy]]:
     finally:
         for p in recorders:
             p.close()
-        with httpx.Client(timeout=60) as http:  # leave the shared engines with no adapter loaded
+        with httpx.Client(timeout=60, headers=cpu_fleet.headers()) as http:  # leave the engines adapter-free
             for url in cpu_fleet.engine_urls:
                 for card in http.get(f"{url}/v1/models").json()["data"][1:]:
-                    http.post(f"{url}/unload_lora_adapter", json={"lora_name": card["id"]}).raise_for_status()
+                    http.post(f"{url}/unload_lora_adapter", json={"lora_name": card["id"]},
+                              headers=cpu_fleet.headers(admin=True)).raise_for_status()
 
 
 def _env(tmp_path: Path, cpu_fleet: CpuFleet, proxies: list[RecordingProxy], mode: str, keep: int = 1) -> PointEnv:
     fleet = FleetBlock(
         name=f"lora-{mode}", mode="attach", engine_urls=[p.url for p in proxies], router_url=cpu_fleet.router_url,
-        lora_mode=mode,
+        lora_mode=mode, **cpu_fleet.block_keys(),
     )  # fmt: skip
     return save_point_blocks(tmp_path, fleet, keep_snapshots=keep)
 
@@ -87,7 +88,7 @@ def test_adapter_mode_points_measure_exactly_their_adapter(
         assert not proxy.bodies("/update_weights_from_disk") or all(
             b["model_path"] == str(tiny_model) for b in proxy.bodies("/update_weights_from_disk")
         )  # the fleet keeps the base: only the base is ever loaded in full
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=cpu_fleet.headers()) as http:
         for url in cpu_fleet.engine_urls:
             cards = http.get(f"{url}/v1/models").json()["data"]
             assert [(c["id"], c["root"]) for c in cards[1:]] == [("4", staged4)]
@@ -163,7 +164,7 @@ def test_an_engine_that_claims_a_load_it_did_not_do_is_a_pin_violation(
     liar = LoraLoadLiar(cpu_fleet.engine_urls[0])
     try:
         fleet = FleetBlock(name="lora-liar", mode="attach", engine_urls=[liar.url, proxies[1].url],
-                           router_url=cpu_fleet.router_url)  # fmt: skip
+                           router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())  # fmt: skip
         env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
         adapter = make_tiny_adapter(tiny_model, tmp_path / "adapter", seed=6)
         state = _run(env, 6, {"kind": "lora", "path": str(adapter), "hf_base": str(tiny_model)})

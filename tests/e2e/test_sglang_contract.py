@@ -140,13 +140,16 @@ EVERY_KEY = SamplingParams(
 )
 
 
-async def _abort_when_running(engine: str, rid: str) -> None:
+async def _abort_when_running(fleet: LaunchedFleet, rid: str) -> None:
     """Abort `rid` on the engine as soon as the engine reports a running request."""
+    engine, keys = fleet.engine_urls[0], fleet.keys
+    assert keys is not None
     async with httpx.AsyncClient() as http:
         for _ in range(500):
-            load = (await http.get(f"{engine}/get_load")).json()[0]
+            load = (await http.get(f"{engine}/get_load", headers={"Authorization": f"Bearer {keys.api}"})).json()[0]
             if load["num_reqs"]:
-                (await http.post(f"{engine}/abort_request", json={"rid": rid})).raise_for_status()
+                admin = {"Authorization": f"Bearer {keys.admin}"}
+                (await http.post(f"{engine}/abort_request", json={"rid": rid}, headers=admin)).raise_for_status()
                 return
             await asyncio.sleep(0.01)
     raise AssertionError("the request never showed up as running")
@@ -156,7 +159,7 @@ async def test_every_generate_body_decodes_under_sglang_schema(
     api_types: ModuleType, fleet: LaunchedFleet, snapshot_dir: Path
 ) -> None:
     transport = RecordingTransport()
-    config = FleetConfig(router_ready_timeout_s=60, worker_timeout_s=60)
+    config = fleet.client_config(FleetConfig(router_ready_timeout_s=60, worker_timeout_s=60))
     async with FleetClient(fleet.engine_urls, fleet.router_url, config=config, transport=transport) as client:
         await client.pin(snapshot_dir, "11")
         await client.generate("What is 2 plus 2?", sampling_params=EVERY_KEY, rid="contract-text")
@@ -164,7 +167,7 @@ async def test_every_generate_body_decodes_under_sglang_schema(
         await client.generate("1+1=")
         long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
         gen = asyncio.create_task(client.generate("count", sampling_params=long, rid="contract-abort"))
-        await _abort_when_running(fleet.engine_urls[0], "contract-abort")
+        await _abort_when_running(fleet, "contract-abort")
         retried = await gen
     assert retried.attempts == 2  # the abort came back as HTTP 200 and was sent again
     sent = [body for body, _, _ in transport.generate]
@@ -241,7 +244,7 @@ async def test_lora_requests_and_replies_match_sglang(
     adapters = {v: make_tiny_adapter(tiny_model_dir, tmp_path / f"a{v}", seed=v) for v in (21, 22)}
     snaps = [write_adapter_snapshot(a, str(tmp_path / f"step_{v}")) for v, a in adapters.items()]
     transport = RecordingTransport()
-    config = FleetConfig(router_ready_timeout_s=60, worker_timeout_s=60)
+    config = fleet.client_config(FleetConfig(router_ready_timeout_s=60, worker_timeout_s=60))
     async with FleetClient(fleet.engine_urls, fleet.router_url, config=config, transport=transport) as client:
         await client.pin(snaps[0], "21", lora_base=tiny_model_dir)
         await client.pin(snaps[1], "22", lora_base=tiny_model_dir)  # unloads 21 first

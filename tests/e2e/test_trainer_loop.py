@@ -159,14 +159,15 @@ def test_failed_in_loop_export_is_a_visible_skip_without_orphans(
 def test_evaluate_now_closes_the_producer_gate_for_a_shared_point(
     point_env: PointEnv, deployed: Deployed, tiny_model: Path, cpu_fleet: CpuFleet, tmp_path: Path
 ):
-    from pinned_eval.fleet import FleetClient
+    from pinned_eval.fleet import FleetClient, FleetConfig
     from trainer_integration.gate import ProducerGate
 
     # the live engines last received the weights of step 7 (a weight update, as training does)
     weights = write_step_snapshot(tiny_model, str(tmp_path / "update-7"), scale=0.001, seed=7)
 
     async def update_engines() -> None:
-        async with FleetClient(cpu_fleet.engine_urls, cpu_fleet.router_url) as fleet:
+        config = FleetConfig(api_key=cpu_fleet.api_key, admin_api_key=cpu_fleet.admin_api_key)
+        async with FleetClient(cpu_fleet.engine_urls, cpu_fleet.router_url, config=config) as fleet:
             await fleet.pin(weights, "7")
 
     asyncio.run(update_engines())

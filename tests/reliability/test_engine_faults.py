@@ -51,13 +51,13 @@ def staged(env: PointEnv, step: int, base: Path) -> dict[str, str]:
     return {"kind": "staged", "path": dest}
 
 
-def counters(url: str) -> dict[str, int]:
-    info = httpx.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+def counters(fleet: CpuFleet, url: str) -> dict[str, int]:
+    info = httpx.get(f"{url}/server_info", headers=fleet.headers(), timeout=30).json()["internal_states"][0]
     return {k: info[k] for k in ("requests_finished", "requests_aborted", "weight_loads", "weight_load_failures")}
 
 
-def model_info(url: str) -> dict:
-    return httpx.get(f"{url}/model_info", timeout=30).json()
+def model_info(fleet: CpuFleet, url: str) -> dict:
+    return httpx.get(f"{url}/model_info", headers=fleet.headers(), timeout=30).json()
 
 
 def launch_env(tmp_path: Path, fleet: CpuFleet, suite: EvalSuite | None = None) -> PointEnv:
@@ -79,17 +79,17 @@ def test_engine_that_misreports_is_pin_violation_and_generates_nothing(
             return json.dumps({**json.loads(body), "model_path": "/elsewhere/step_00000041"}).encode()
 
         proxy = FaultyHTTPProxy(liar, rewrite=other_path)
-    before = {u: counters(u) for u in cpu_fleet.engine_urls}
+    before = {u: counters(cpu_fleet, u) for u in cpu_fleet.engine_urls}
     try:
         fleet = FleetBlock(name=f"liar-{lie[:5]}", mode="attach", engine_urls=[proxy.url, honest],
-                           router_url=cpu_fleet.router_url)
+                           router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())
         env = save_point_blocks(tmp_path, fleet)
         state = run_point(env, 41, source=staged(env, 41, tiny_model))
     finally:
         proxy.close()
     assert state.name == "Skipped" and state.message.startswith("pin_violation"), state.message
     assert f"reads back {lie}" in state.message, state.message
-    after = {u: counters(u) for u in cpu_fleet.engine_urls}
+    after = {u: counters(cpu_fleet, u) for u in cpu_fleet.engine_urls}
     for url in cpu_fleet.engine_urls:
         assert after[url]["weight_loads"] - before[url]["weight_loads"] == 2, "two pin attempts on every engine"
         for key in ("requests_finished", "requests_aborted"):
@@ -111,16 +111,16 @@ def test_load_failing_inside_the_engine_leaves_it_unserving_until_a_good_load(
     assert state.name == "Skipped" and state.message.startswith("pin_violation"), state.message
     assert "load failed" in state.message
     for url in cpu_fleet.engine_urls:
-        info = httpx.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]
+        info = httpx.get(f"{url}/server_info", headers=cpu_fleet.headers(), timeout=30).json()["internal_states"][0]
         assert info["weights_ok"] is False, "a failed load leaves the weights unknown"
         assert httpx.get(f"{url}/health", timeout=30).status_code == 503
         refused = httpx.post(f"{url}/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 1}},
-                             timeout=30)
+                             headers=cpu_fleet.headers(), timeout=30)
         assert refused.status_code == 503, "an engine with unknown weights serves nothing"
     good = run_point(env, 52, source=staged(env, 52, tiny_model))
     assert good.name == "Completed", good.message
     for url in cpu_fleet.engine_urls:
-        assert model_info(url)["weight_version"] == "52"
+        assert model_info(cpu_fleet, url)["weight_version"] == "52"
         assert LaunchedFleet.load(cpu_fleet.state_file).pid_of(url) == pids[url], "reloaded in place, not restarted"
     rows = JsonlSink(env.jsonl).read(env.run)
     assert [r.reason for r in rows if r.step == 51] == ["pin_violation"]
@@ -129,10 +129,10 @@ def test_load_failing_inside_the_engine_leaves_it_unserving_until_a_good_load(
     assert all(r.state == "measured" and r.metrics[f"eval/{r.dataset}/weight_version/mean"] == 52 for r in measured)
 
 
-def _generation_started(url: str, before: int, stop: threading.Event) -> bool:
+def _generation_started(fleet: CpuFleet, url: str, before: int, stop: threading.Event) -> bool:
     while not stop.is_set():
         try:
-            if counters(url)["requests_finished"] > before:
+            if counters(fleet, url)["requests_finished"] > before:
                 return True
         except httpx.TransportError:
             return False
@@ -149,11 +149,11 @@ def test_engine_sigkilled_mid_generation_then_revived_and_pinned(
     old_pid = launched.pid_of(victim)
     env = launch_env(tmp_path, fleet, suite=LONG_SUITE)
     src = staged(env, 61, tiny_model)
-    before = counters(victim)["requests_finished"]
+    before = counters(fleet, victim)["requests_finished"]
     stop, killed = threading.Event(), threading.Event()
 
     def killer() -> None:
-        if _generation_started(victim, before + 1, stop):  # +1: the router readiness probe of the pin
+        if _generation_started(fleet, victim, before + 1, stop):  # +1: the router readiness probe of the pin
             os.kill(old_pid, signal.SIGKILL)
             killed.set()
 
@@ -176,7 +176,7 @@ def test_engine_sigkilled_mid_generation_then_revived_and_pinned(
     new_pid = LaunchedFleet.load(fleet.state_file).pid_of(victim)
     assert new_pid != old_pid, "the dead engine was relaunched"
     for url in fleet.engine_urls:
-        assert model_info(url)["weight_version"] == "62", "and pinned with its peer"
+        assert model_info(fleet, url)["weight_version"] == "62", "and pinned with its peer"
     [row] = [r for r in JsonlSink(env.jsonl).read(env.run) if r.step == 62]
     assert row.metrics["eval/arith_add/weight_version/mean"] == 62
     with get_client(sync_client=True) as c:

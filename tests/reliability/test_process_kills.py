@@ -119,7 +119,7 @@ def test_flow_run_sigkilled_in_every_phase(
                    for u in cpu_fleet.engine_urls]
     proxies += pin_proxies
     pin_fleet = FleetBlock(name=f"k-pin-{tag}", mode="attach", engine_urls=[p.url for p in pin_proxies],
-                           router_url=cpu_fleet.router_url)
+                           router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())
     env = _blocks(tmp_path / "pin", pin_fleet)
     phases.append(Phase("pin", env, 2, {"source": _staged(env, 2, tiny_model)},
                         stalled=lambda: all(p.seen("stall") for p in pin_proxies),
@@ -130,7 +130,7 @@ def test_flow_run_sigkilled_in_every_phase(
                                                          body_contains=b'"text"')])
     proxies.append(router)
     gen_fleet = FleetBlock(name=f"k-gen-{tag}", mode="attach", engine_urls=cpu_fleet.engine_urls,
-                           router_url=router.url)
+                           router_url=router.url, **cpu_fleet.block_keys())
     env = _blocks(tmp_path / "gen", gen_fleet)
     phases.append(Phase("generate", env, 3, {"source": _staged(env, 3, tiny_model)},
                         stalled=lambda: bool(router.seen("stall")), after_kill=router.release,
@@ -229,7 +229,7 @@ def test_lost_worker_host_is_cleaned_up_by_the_janitor(
     held = [FaultyHTTPProxy(u, [Rule("stall", methods=("POST",), path_contains="/update_weights_from_disk")])
             for u in cpu_fleet.engine_urls]
     fleet = FleetBlock(name=f"lost-{tag}", mode="attach", engine_urls=[p.url for p in held],
-                       router_url=cpu_fleet.router_url)
+                       router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())
     env = save_point_blocks(tmp_path, fleet)
     source = _staged(env, 5, tiny_model)
     log = open(tmp_path / "worker.log", "w")  # noqa: SIM115
