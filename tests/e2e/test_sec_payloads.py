@@ -143,7 +143,9 @@ def test_events_naming_a_class_path_or_a_foreign_source_run_nothing(
     assert not pickled.exists(), "the payload's pickle was loaded by the worker"
 
 
-def test_a_created_flow_run_naming_a_class_path_is_refused(deployed: Deployed, tiny_model: Path, tmp_path: Path) -> None:
+def test_a_created_flow_run_naming_a_class_path_is_refused(
+    deployed: Deployed, tiny_model: Path, tmp_path: Path
+) -> None:
     env, allowed = confined_env(tmp_path)
     marker = tmp_path / "built"
     snap = write_step_snapshot(tiny_model, str(allowed / "step_3"))
