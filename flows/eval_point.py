@@ -115,7 +115,8 @@ def eval_point(
         cfg = PointConfig(
             suite=load_block(EvalSuiteBlock, suite), fleet=load_block(FleetBlock, fleet),
             staging=staging_block, sinks=sinks_block,
-            backend=load_block(ExternalBackendBlock, backend_block) if backend_block else None,
+            backend=load_block(ExternalBackendBlock, backend_block)
+            if posture is Posture.EXTERNAL and backend_block else None,
         )  # fmt: skip
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
             with point_deadline(cfg.suite.point_timeout_seconds, step):
