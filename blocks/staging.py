@@ -1,16 +1,18 @@
 """Staging block: where snapshots the orchestrator owns live — a local root or `s3://bucket/prefix`.
 
-Invariants: every delete is confined to `root`; S3 credentials are secret fields, never flow
+Invariants: every delete is confined to `root`; a point reads its source only under `root` or
+`source_roots` (`pinned_eval.source_roots`); S3 credentials are secret fields, never flow
 parameters; `keep_snapshots` owned snapshots per run survive for reruns (the keep-ring).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
 from pinned_eval.snapshot.layout import s3_storage_options
@@ -46,6 +48,25 @@ class StagingBlock(Block):
     cache_max_bytes: int | None = Field(
         default=None, ge=0, description="Bound of the local cache; least recently used snapshots go first."
     )
+    source_roots: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Absolute directories or `s3://bucket/prefix` URLs a point's source (`path`, `hf_base`) may lie "
+            "under, besides `root`; a source elsewhere (after resolving symlinks) is refused."
+        ),
+    )
+
+    @field_validator("source_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[str]) -> list[str]:
+        for i, root in enumerate(roots):
+            if not (root.startswith(("s3://", "s3a://")) or os.path.isabs(root)):
+                raise ValueError(f"source_roots[{i}]: {root!r} is neither an absolute path nor s3://bucket/prefix")
+        return roots
+
+    def all_source_roots(self) -> list[str]:
+        """Where a point's source may lie: the staging root, then `source_roots`."""
+        return [self.root, *self.source_roots]
 
     def s3_options(self) -> dict[str, Any]:
         """fsspec/s3fs options for any `s3://` URL a point reads with this block (its root, or an

@@ -121,7 +121,8 @@ def save_blocks(run: str, work: Path, fleet_state: Path) -> BlockNames:
     )
     EvalSuiteBlock(suite=suite).save(run, overwrite=True)
     FleetBlock(mode="launch", state_file=str(fleet_state)).save(run, overwrite=True)
-    StagingBlock(root=str(work / "staging"), keep_snapshots=1).save(run, overwrite=True)
+    # the examples' checkpoints live under `work`: an operator declares it as a source root
+    StagingBlock(root=str(work / "staging"), keep_snapshots=1, source_roots=[str(work)]).save(run, overwrite=True)
     SinksBlock(jsonl_path=str(work / "metrics.jsonl")).save(run, overwrite=True)
     return BlockNames(suite=run, fleet=run, staging=run, sinks=run)
 

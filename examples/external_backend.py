@@ -8,7 +8,8 @@ Two points of one run, requested with the trainer's event (`pinned-eval.point.re
   worker and configuration);
 - step 11 uses `QuotaBackend` below, a custom backend for a metered eval service: without credits
   it raises `EvalSkip("quota")`, recorded as `eval/skipped_quota: 1` at step 11.
-A backend is imported by the worker from its `module:Class` path, so it must be importable there
+Each backend is an `ExternalBackendBlock` the operator saves (class path and options); the request
+names the block only. The worker imports the block's `module:Class`, so it must be importable there
 (this file is, as `examples.external_backend`, from the project directory the worker runs in).
 
     python examples/external_backend.py --model-path M     # a running stack (see _stack.py)
@@ -47,6 +48,7 @@ class QuotaBackend(CheckpointEvalFn):
 def main() -> None:
     import _stack  # the examples' plumbing (not needed by the worker that imports QuotaBackend)
 
+    from blocks import ExternalBackendBlock
     from pinned_eval.events import point_event, post_events
     from pinned_eval.points import PointRequest, SnapshotSource
     from trainer_integration import EvalClient
@@ -59,10 +61,13 @@ def main() -> None:
             11: ("examples.external_backend:QuotaBackend", {"credits": 0}),
         }  # fmt: skip
         for step, (backend, options) in backends.items():
+            # the operator saves each backend as a block; a request names the block, never the class
+            block = f"{st.run}-backend-{step}"
+            ExternalBackendBlock(backend=backend, options=options).save(block, overwrite=True)
             ckpt = _stack.save_checkpoint(st.model_path, st.work / "checkpoints" / f"step_{step}", seed=step)
             request = PointRequest(
                 run=st.run, step=step, posture="external", source=SnapshotSource(kind="hf", path=str(ckpt)),
-                backend=backend, backend_options=options,
+                backend_block=block,
             )  # fmt: skip
             post_events(st.api_url, [point_event(request, st.blocks)])  # what EvalClient.dispatch sends
             print(f"requested {st.run}/step-{step} with {backend}", flush=True)

@@ -6,7 +6,9 @@
 Outcomes: Completed (measured); Completed named "Skipped" with the reason as message (an
 `EvalSkipped` anywhere: busy, export_failed, ckpt_missing, unhealthy, pin_violation,
 reward_unavailable, ...; `timed_out` once admitted past the suite block's `point_timeout_seconds`);
-Failed on an unexpected error, after recording `skipped_crashed` at the step. The snapshot is
+Failed on an unexpected error, after recording `skipped_crashed` at the step — also a source
+outside the staging block's source roots (`SourceOutsideRoots`, naming `source.path` or
+`source.hf_base`), refused before any file of it is opened. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Literal
 
 from prefect import flow, get_client, get_run_logger
 from prefect.client.schemas.objects import FlowRun
@@ -25,13 +27,14 @@ from prefect.states import Completed, State
 from prefect.utilities.timeout import timeout
 from pydantic import BaseModel, ConfigDict
 
-from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
 from blocks._meta import load_block
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, flow_run_name
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
+from pinned_eval.source_roots import confine_source
 from pinned_eval.suite import EvalSample, ResolvedDataset
 from tasks.admission import admitted, pin_lock
 from tasks.external import backend_lock_name, evaluate_external
@@ -52,6 +55,7 @@ class PointConfig(BaseModel):
     fleet: FleetBlock
     staging: StagingBlock
     sinks: SinksBlock
+    backend: ExternalBackendBlock | None = None  # the external posture's, named by `backend_block`
 
 
 def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
@@ -84,18 +88,18 @@ def eval_point(
     fleet: str = "default",
     staging: str = "default",
     sinks: str = "default",
-    backend: str | None = None,
-    backend_options: dict[str, Any] | None = None,
+    backend_block: str | None = None,
 ) -> State:
     """Measure the weights of `run` at `step` (weight version `str(step)`) on the eval suite.
 
-    `backend`/`backend_options`: the external posture's `CheckpointEvalFn` (dotted path) and its
-    constructor keywords (no secrets: flow parameters are visible in the UI).
+    `backend_block`: the external posture's saved `ExternalBackendBlock` (class path and options
+    set by an operator); parameters name blocks and a source, never code. The source must lie
+    under the staging block's `all_source_roots()`.
     """
     PointRequest(  # validates every parameter, naming the offending field, before anything runs
         run=run, step=step, source=source, final=final, posture=posture, policy=policy,
-        max_in_flight=max_in_flight, export_time_seconds=export_time_seconds, backend=backend,
-        backend_options=backend_options,
+        max_in_flight=max_in_flight, export_time_seconds=export_time_seconds,
+        backend_block=backend_block,
     )  # fmt: skip
     started = time.monotonic()
     sinks_block: SinksBlock | None = None
@@ -105,10 +109,14 @@ def eval_point(
         sinks_block = load_block(SinksBlock, sinks)
         staging_block = load_block(StagingBlock, staging)
         store = staging_block.staging()
+        if source is not None:  # before anything opens it: a refused source is never read
+            confine_source(source, staging_block.all_source_roots())
         _tag_flow_run(run, step)
         cfg = PointConfig(
             suite=load_block(EvalSuiteBlock, suite), fleet=load_block(FleetBlock, fleet),
             staging=staging_block, sinks=sinks_block,
+            backend=load_block(ExternalBackendBlock, backend_block)
+            if posture is Posture.EXTERNAL and backend_block else None,
         )  # fmt: skip
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
             with point_deadline(cfg.suite.point_timeout_seconds, step):
@@ -118,7 +126,7 @@ def eval_point(
                     assert source is not None
                     snapshot = export_snapshot(source, run, step, store, cfg.fleet.lora_mode)
                     snapshot = check_snapshot_task(snapshot, store, cfg.staging.s3_options())
-                per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step, backend, backend_options)
+                per_dataset = _measure(cfg, posture, snapshot, datasets, rows, run, step)
             exported = snapshot.export_time_seconds if snapshot else None
             point = point_metrics(
                 step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
@@ -171,15 +179,14 @@ def _measure(
     rows: dict[str, list[EvalSample]],
     run: str,
     step: int,
-    backend: str | None,
-    backend_options: dict[str, Any] | None,
 ) -> dict[str, dict[str, float]]:
     """Metrics per dataset of weight version `str(step)`: fleet (pin), shared (verify) or external."""
     version = str(step)
     if posture is Posture.EXTERNAL:
-        assert snapshot is not None and backend is not None
-        with pin_lock(backend_lock_name(backend, backend_options)):
-            return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, backend_options)
+        assert snapshot is not None and cfg.backend is not None  # PointRequest: external needs backend_block
+        backend, options = cfg.backend.configuration()
+        with pin_lock(backend_lock_name(backend, options)):
+            return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, options)
     lora = version if snapshot is not None and snapshot.adapter else None  # adapter mode: name it everywhere
     with pin_lock(cfg.fleet.lock_name):
         if posture is Posture.FLEET:

@@ -28,7 +28,15 @@ from pydantic import BaseModel, ConfigDict
 from blocks import StagingBlock
 from blocks._meta import load_block
 from pinned_eval.events import BlockNames, point_event
-from pinned_eval.points import RUN_PATTERN, PointRequest, Posture, SnapshotSource, SourceKind, history_artifact_key
+from pinned_eval.points import (
+    RUN_PATTERN,
+    RUN_RE,
+    PointRequest,
+    Posture,
+    SnapshotSource,
+    SourceKind,
+    history_artifact_key,
+)
 from pinned_eval.settings import PrefectApiSettings
 from pinned_eval.snapshot.layout import MARKER, file_mtime, join, resolve, to_url
 from trainer_integration.rest import PrefectRest, api_client
@@ -144,7 +152,7 @@ def watch_checkpoints(
     An `s3://` root is listed with the endpoint and credentials of the StagingBlock
     `storage_block` (default: the points' `staging` block, which their checks read it with).
     """
-    if not re.match(RUN_PATTERN, run):
+    if not RUN_RE.match(run):
         raise ValueError(f"run: {run!r} must match {RUN_PATTERN}")
     if min_step < 0:
         raise ValueError(f"min_step: must be >= 0, got {min_step}")

@@ -1,19 +1,25 @@
 """The eval point's vocabulary, shared by the trainer side and the orchestrator (no Prefect import).
 
-An eval point is (run, step, snapshot source, final?). Its weight version is `str(step)`; its
+An eval point is (run, step, snapshot source, final?). A request names registered configuration
+only (block names), never code or options: whoever can send an event chooses neither the code the
+worker runs nor, past the staging block's `source_roots`, the files it reads. Its weight version is `str(step)`; its
 flow run is named `<run>/step-<step>`; the event that requests it has the deterministic id
 uuid5(run, step), so a retried send is one point.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-RUN_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+RUN_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"  # pydantic (Rust regex): `$` is the end of the text
+# Python's `re` lets `$` match before a trailing newline: every Python check uses RUN_RE (`\Z`)
+RUN_RE = re.compile(RUN_PATTERN.removesuffix("$") + r"\Z")
+BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,99}$"  # a saved block document's name, as Prefect allows
 EVENT_REQUESTED = "pinned-eval.point.requested"
 _EVENT_NAMESPACE = uuid.UUID("6f1c1f4e-6a43-4a8e-9d0e-7d8f3c1b2a90")
 
@@ -80,19 +86,21 @@ class PointRequest(BaseModel):
     export_time_seconds: float | None = Field(
         default=None, ge=0, description="Seconds an in-loop export took, when the trainer exported."
     )
-    backend: str | None = Field(
-        default=None, description="External posture: the CheckpointEvalFn as `module:Class`."
-    )
-    backend_options: dict[str, Any] | None = Field(
-        default=None, description="External posture: the backend's constructor keywords (no secrets)."
+    backend_block: str | None = Field(
+        default=None,
+        pattern=BLOCK_NAME_PATTERN,
+        description=(
+            "External posture: name of the saved `pinned-eval-external-backend` block (class path and "
+            "options set by an operator). A request never names code or options itself."
+        ),
     )
 
     @model_validator(mode="after")
     def _source_needed(self) -> PointRequest:
         if self.source is None and self.posture is not Posture.SHARED:
             raise ValueError(f"source: the {self.posture.value!r} posture needs a snapshot source")
-        if self.posture is Posture.EXTERNAL and not self.backend:
-            raise ValueError("backend: the external posture needs a CheckpointEvalFn (module:Class)")
+        if self.posture is Posture.EXTERNAL and not self.backend_block:
+            raise ValueError("backend_block: the external posture needs a saved external-backend block's name")
         return self
 
     @property

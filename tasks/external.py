@@ -1,8 +1,10 @@
 """External-posture task: a `CheckpointEvalFn` backend replaces pin + generate + score.
 
 Contract of `evaluate_external`:
-- the backend class is loaded by dotted path (`module:Class` or `module.Class`) and constructed
-  with `options` (keyword arguments) once per configuration, then reused for every later point
+- `backend` and `options` come from a saved `ExternalBackendBlock` (`configuration()`: set by an
+  operator, never from a point's parameters); the class is loaded by dotted path
+  (`module:Class` or `module.Class`) and constructed with `options` (keyword arguments, secret ones
+  included) once per configuration, then reused for every later point
   (`pinned_eval.backends.BackendCache`): in the backend host named by `HOST_ENV` when set (a
   deployed worker's flow runs: each is its own process, the host outlives them), else in this
   process (`BACKENDS`, disposed at interpreter exit);

@@ -36,10 +36,16 @@ SLOW_SUITE = SMALL_SUITE.model_copy(
 )
 
 
+# where this session's test files live (the tiny model's, every test's tmp_path): the staging
+# blocks `save_point_blocks` saves declare it as a source root (StagingBlock.source_roots)
+SESSION_ROOTS: list[str] = []
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny_model import make_tiny_model
 
+    SESSION_ROOTS.append(str(tmp_path_factory.getbasetemp()))
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
@@ -119,7 +125,8 @@ def save_point_blocks(
     deadline = {"point_timeout_seconds": point_timeout_seconds} if point_timeout_seconds else {}
     EvalSuiteBlock(suite=suite, **deadline).save(names["suite"])
     fleet.save(names["fleet"])
-    StagingBlock(root=str(staging_root), keep_snapshots=keep_snapshots).save(names["staging"])
+    roots = [str(tmp_path), *SESSION_ROOTS]
+    StagingBlock(root=str(staging_root), keep_snapshots=keep_snapshots, source_roots=roots).save(names["staging"])
     wandb_opts = (
         {"wandb_project": "pinned-eval-tests", "wandb_mode": "offline", "wandb_dir": str(tmp_path)} if wandb else {}
     )

@@ -106,8 +106,7 @@ class EvalClient:
         startup_sync_s: float = 10.0,
         visible_timeout_s: float = 120.0,
         direct_runs: bool | None = None,
-        backend: str | None = None,
-        backend_options: dict[str, Any] | None = None,
+        backend_block: str | None = None,
         lora_base: str | Path | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
@@ -124,7 +123,7 @@ class EvalClient:
         if eval_interval is not None and eval_interval < 1:
             raise ValueError(f"eval_interval: must be >= 1, got {eval_interval}")
         self.run = run
-        self.backend, self.backend_options = backend, backend_options  # external posture's CheckpointEvalFn
+        self.backend_block = backend_block  # external posture: the saved ExternalBackendBlock's name
         self.blocks = blocks or BlockNames()
         self.policy = policy
         self.max_in_flight = max_in_flight
@@ -293,8 +292,7 @@ class EvalClient:
             policy=self.policy,
             max_in_flight=self.max_in_flight,
             export_time_seconds=export_time,
-            backend=self.backend if posture is Posture.EXTERNAL else None,
-            backend_options=self.backend_options if posture is Posture.EXTERNAL else None,
+            backend_block=self.backend_block if posture is Posture.EXTERNAL else None,
         )
 
     def _record_skip(

@@ -6,6 +6,7 @@ Contract:
   configuration is `AdapterConfig`: `PINNED_EVAL_MILES_*` variables, overridden by
   `args.pinned_eval_<field>` attributes; the Prefect API URL and credentials default to Prefect's
   own variables (`PREFECT_API_URL`, `PREFECT_API_AUTH_STRING`, `PREFECT_API_KEY`).
+- the external posture names a saved `ExternalBackendBlock` (`backend_block`), never a class path.
 - `await fn(input)` (miles' `RolloutFnEvalInput`: `rollout_id`, `hf_dir`, `evaluation`) creates
   one flow run of the `eval-point` deployment through the REST API (no Prefect import), with the
   idempotency key uuid5(run, step) — a retried call is the same point — and source kind `hf`
@@ -99,6 +100,9 @@ class AdapterConfig(BaseModel):
     policy: Literal["backpressure", "skip"] = "backpressure"
     max_in_flight: int = Field(default=2, ge=1, le=64)
     blocks: BlockNames = Field(default_factory=BlockNames)
+    backend_block: str | None = Field(
+        default=None, description="External posture: the saved ExternalBackendBlock the points name."
+    )
     require_marker: bool = Field(default=True, description="Require the `.complete` marker in hf_dir.")
     parameters: dict[str, Any] = Field(default_factory=dict, description="Extra flow parameters.")
     poll_interval_s: float = Field(default=2.0, gt=0)
@@ -192,8 +196,7 @@ class PinnedEvalREST:
             posture=cfg.posture,
             policy=cfg.policy,
             max_in_flight=cfg.max_in_flight,
-            backend=cfg.parameters.get("backend"),  # the external posture's backend is validated here too
-            backend_options=cfg.parameters.get("backend_options"),
+            backend_block=cfg.backend_block,
         )
         parameters = {**request.model_dump(mode="json"), **cfg.blocks.model_dump(), **cfg.parameters}
         deployment = await self._json("GET", f"/deployments/name/{cfg.deployment}")

@@ -117,7 +117,8 @@ def _save_blocks(home: Path, base: Path) -> FleetBlock:
                        state_file=str(home / "fleet" / "fleet.json"))  # fmt: skip
     fleet.save("default", overwrite=True)
     EvalSuiteBlock(suite=default_suite()).save("default", overwrite=True)
-    StagingBlock(root=str(home / "staging"), keep_snapshots=2).save("default", overwrite=True)
+    # the baseline point reads the base model (an `hf` source): its directory is a source root
+    StagingBlock(root=str(home / "staging"), keep_snapshots=2, source_roots=[str(base)]).save("default", overwrite=True)
     SinksBlock(jsonl_path=str(home / "metrics.jsonl")).save("default", overwrite=True)
     return fleet
 

@@ -12,7 +12,10 @@ Invariants:
   several layers is read whole and unstacked;
 - `tensors()` yields in model order (embedding, layer 0 … L-1, then the rest), each tensor
   named like a live model's parameter (`decoder.layers.<i>.<rest>`);
-- the metadata file is read once per reader.
+- the metadata file is read once per reader;
+- nothing is read through a symlink that leaves the checkpoint: a `.metadata` (a pickle), a
+  tracker, an `iter_*` directory or a shard resolving outside the directory given is refused
+  before anything is opened (the flow confines that directory to the source roots).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from pinned_eval.snapshot.errors import ConversionError
 from pinned_eval.snapshot.mcore_names import MODEL_PREFIXES
+from pinned_eval.source_roots import within
 
 _STACKED = "decoder.layers."
 _INDEXED = re.compile(r"^decoder\.layers\.\d+\.")
@@ -45,17 +49,25 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     → `iter_XXXXXXX` or `release`)."""
     p = Path(path)
     if (p / ".metadata").is_file():
-        return p
+        return _contained(p, p)
     tracker = p / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
-        it = tracker.read_text().strip()
+        it = _contained(tracker, p).read_text().strip()
         sub = p / ("release" if it == "release" else f"iter_{int(it):07d}")
         if (sub / ".metadata").is_file():
-            return sub
+            return _contained(sub, p)
         raise CheckpointNotFound(f"{tracker} names {sub.name}, which has no torch_dist .metadata")
     raise CheckpointNotFound(
         f"{p} is not a torch_dist checkpoint (no .metadata, no latest_checkpointed_iteration.txt)"
     )
+
+
+def _contained(path: Path, top: Path) -> Path:
+    """`path` when it and (a directory) every entry in it resolve inside `top`; else refused."""
+    for entry in [path, *(path.iterdir() if path.is_dir() else [])]:
+        if not within(str(entry), str(top)):
+            raise CheckpointNotFound(f"{entry} resolves outside the checkpoint {top} (a symlink); refused unread")
+    return path
 
 
 class _RegionPlanner(LoadPlanner):

@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pinned_eval.points import RUN_PATTERN
+from pinned_eval.points import RUN_PATTERN, RUN_RE
 from pinned_eval.settings import get_settings
 from pinned_eval.snapshot import s3_upload
 from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
@@ -48,7 +48,7 @@ from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, is_s3, join, resolve, to_url
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_RUN = re.compile(RUN_PATTERN)
+_RUN = RUN_RE  # `\Z`: a run name with a trailing newline is refused
 
 
 class SnapshotIncompleteError(ExportError, RuntimeError):

@@ -170,9 +170,13 @@ def test_no_host_is_a_named_error(tmp_path: Path) -> None:
 
 
 def _request(deployed: Deployed, env: PointEnv, step: int, tiny: Path, options: dict[str, object]) -> str:
+    from blocks import ExternalBackendBlock
+
     snap = write_step_snapshot(tiny, str(env.staging_root.parent / f"hf_step_{step}"))
+    block = f"host-{options['tag']}"  # the operator's saved backend; the point names it
+    ExternalBackendBlock(backend=BACKEND, options=options).save(block, overwrite=True)
     params = env.params(step, source={"kind": "hf", "path": snap}, posture="external", max_in_flight=3,
-                        backend=BACKEND, backend_options=options)  # fmt: skip
+                        backend_block=block)  # fmt: skip
     with get_client(sync_client=True) as c:
         return str(c.create_flow_run_from_deployment(deployed.deployment_id, parameters=params).id)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from prefect import get_client
 from transformers import AutoTokenizer
 
-from blocks import FleetBlock, StagingBlock
+from blocks import ExternalBackendBlock, FleetBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.points import Posture
 from pinned_eval.sinks import JsonlSink
@@ -235,15 +236,13 @@ def test_external_posture_backend_sends_the_same_rendered_prompts(
         suite = _suite(_data(tmp_path), f"{server.url}/score")
         env = _env(tmp_path, chatml_fleet, chatml_fleet.router_url, suite, "chatext")
         src = _staged(env, 24, chatml_model)
-        state = _run(
-            env,
-            24,
-            source=src,
-            posture=Posture.EXTERNAL,
+        backend = f"chatext-{uuid.uuid4().hex[:8]}"  # the operator's saved backend; the point names it
+        ExternalBackendBlock(
             backend="trainer_integration.sglang_backend:SGLangCheckpointEval",
-            backend_options={"url": proxy.url, "api_key": chatml_fleet.api_key,
-                             "admin_api_key": chatml_fleet.admin_api_key},
-        )
+            options={"url": proxy.url},
+            secret_options={"api_key": chatml_fleet.api_key, "admin_api_key": chatml_fleet.admin_api_key},
+        ).save(backend)
+        state = _run(env, 24, source=src, posture=Posture.EXTERNAL, backend_block=backend)
         sent = _sent(proxy, env.run, AutoTokenizer.from_pretrained(chatml_model))
     finally:
         proxy.close()

@@ -182,6 +182,17 @@ def _external_env(tmp_path: Path):  # type: ignore[no-untyped-def]
     return save_point_blocks(tmp_path, FleetBlock(name="ext", mode="attach", engine_urls=dead, router_url=dead[0]))
 
 
+def _backend_block(path: str, options: dict | None = None) -> str:
+    """Save the backend as an operator would (an ExternalBackendBlock); points name the block."""
+    import uuid
+
+    from blocks import ExternalBackendBlock
+
+    name = f"ext-{uuid.uuid4().hex[:8]}"
+    ExternalBackendBlock(backend=path, options=options or {}).save(name)
+    return name
+
+
 
 def test_eval_point_external_posture_measures_its_step(prefect_server: str, tiny_model: Path, tmp_path: Path) -> None:
     from flows.eval_point import eval_point
@@ -194,8 +205,7 @@ def test_eval_point_external_posture_measures_its_step(prefect_server: str, tiny
     try:
         state = eval_point(
             **env.params(14, source={"kind": "hf", "path": snap}, posture="external"),
-            backend=path,
-            backend_options=options,
+            backend_block=_backend_block(path, options),
             return_state=True,
         )
     finally:
@@ -218,7 +228,7 @@ def test_eval_point_external_quota_is_skipped_quota(prefect_server: str, tiny_mo
     snap = _snapshot(tiny_model, tmp_path, 15)
     state = eval_point(
         **env.params(15, source={"kind": "hf", "path": snap}, posture="external"),
-        backend=f"{__name__}:QuotaBackend",
+        backend_block=_backend_block(f"{__name__}:QuotaBackend"),
         return_state=True,
     )
     assert state.is_completed() and state.name == "Skipped" and state.message.startswith("quota"), state.message
@@ -265,13 +275,13 @@ def test_concurrent_external_points_serialize_on_one_backend_built_once(
     options = {"tag": uuid.uuid4().hex[:8]}  # a configuration no other test has built
     SerialProbe.events = []
     states: dict[int, object] = {}
+    block = _backend_block(f"{__name__}:SerialProbe", options)
 
     def point(step: int) -> None:
         snap = _snapshot(tiny_model, tmp_path, step)
         states[step] = eval_point(
             **env.params(step, source={"kind": "hf", "path": snap}, posture="external", max_in_flight=2),
-            backend=f"{__name__}:SerialProbe",
-            backend_options=options,
+            backend_block=block,
             return_state=True,
         )
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prefect import flow
 
-from blocks import FleetBlock, SinksBlock
+from blocks import ExternalBackendBlock, FleetBlock, SinksBlock
 from tasks.external import evaluate_external
 from tasks.log import log_point, measured_rows
 from tests.conftest import free_port
@@ -127,12 +127,9 @@ def test_deployed_external_point_returns_miles_shaped_results(
 ) -> None:
     hf_dir = write_step_snapshot(tiny_model, str(tmp_path / "step_16"))
     options = {"launch": "cpu", "model_path": str(tiny_model), "log_dir": str(tmp_path / "logs")}
-    fn = miles_fn(
-        dead_fleet_env,
-        deployed.api_url,
-        posture="external",
-        parameters={"backend": BACKEND, "backend_options": options},
-    )
+    block = f"miles-{uuid.uuid4().hex[:8]}"  # the operator's saved backend; the adapter names it
+    ExternalBackendBlock(backend=BACKEND, options=options).save(block)
+    fn = miles_fn(dead_fleet_env, deployed.api_url, posture="external", backend_block=block)
     out = asyncio.run(fn(eval_input(16, hf_dir)))
     assert set(out.data) == {"arith_add", "arith_sub"}
     for ds, d in out.data.items():

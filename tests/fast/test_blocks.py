@@ -14,7 +14,7 @@ from prefect.blocks.core import Block
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 from pydantic import ValidationError
 
-from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
 from blocks._meta import LOGO_URL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def logo_server() -> Iterator[str]:
     server.shutdown()
 
 
-@pytest.mark.parametrize("block_cls", [FleetBlock, StagingBlock, EvalSuiteBlock, SinksBlock])
+@pytest.mark.parametrize("block_cls", [FleetBlock, StagingBlock, EvalSuiteBlock, SinksBlock, ExternalBackendBlock])
 class TestAllBlocksAdhereToStandards(BlockStandardTestSuite):
     @pytest.fixture
     def block(self, block_cls: type[Block]) -> type[Block]:
@@ -54,11 +54,13 @@ class TestAllBlocksAdhereToStandards(BlockStandardTestSuite):
 
 
 def test_slugs_are_explicit_and_stable() -> None:
-    assert [b.get_block_type_slug() for b in (FleetBlock, StagingBlock, EvalSuiteBlock, SinksBlock)] == [
+    blocks = (FleetBlock, StagingBlock, EvalSuiteBlock, SinksBlock, ExternalBackendBlock)
+    assert [b.get_block_type_slug() for b in blocks] == [
         "pinned-eval-fleet",
         "pinned-eval-staging",
         "pinned-eval-suite",
         "pinned-eval-sinks",
+        "pinned-eval-external-backend",
     ]
 
 
@@ -74,3 +76,19 @@ def test_secrets_are_secret_fields() -> None:
     assert set(StagingBlock.model_json_schema()["secret_fields"]) == {"aws_access_key_id", "aws_secret_access_key"}
     s = StagingBlock(root="s3://b/p", endpoint_url="http://127.0.0.1:9", aws_secret_access_key="sek")
     assert "sek" not in repr(s) and s.storage_options()["secret"] == "sek"
+    assert ExternalBackendBlock.model_json_schema()["secret_fields"] == ["secret_options.*"]
+    b = ExternalBackendBlock(backend="m:C", options={"url": "http://127.0.0.1:9"}, secret_options={"api_key": "k3y"})
+    assert "k3y" not in repr(b) and "k3y" not in b.model_dump_json()
+    assert b.configuration() == ("m:C", {"url": "http://127.0.0.1:9", "api_key": "k3y"})
+
+
+def test_external_backend_and_source_roots_validate_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match="backend"):
+        ExternalBackendBlock(backend="os.system(1)")
+    with pytest.raises(ValidationError, match=r"secret_options: keys \['k'\]"):
+        ExternalBackendBlock(backend="m:C", options={"k": 1}, secret_options={"k": "s"})
+    with pytest.raises(ValidationError, match=r"source_roots\[1\]: 'rel/dir'"):
+        StagingBlock(root="/stage", source_roots=["/ckpts", "rel/dir"])
+    s = StagingBlock(root="/stage", source_roots=["/ckpts", "s3://b/p"])
+    assert s.all_source_roots() == ["/stage", "/ckpts", "s3://b/p"]
+    assert StagingBlock(root="/stage").all_source_roots() == ["/stage"]

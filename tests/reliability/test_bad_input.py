@@ -122,7 +122,7 @@ def _nothing_created(env: PointEnv) -> None:
         ({"step": -3, "source": {"kind": "hf", "path": "/x"}}, "step"),
         ({"step": 1, "source": None}, "source"),
         ({"step": 1, "source": {"kind": "state_dict", "path": "/x"}}, "hf_base"),
-        ({"step": 1, "source": {"kind": "hf", "path": "/x"}, "posture": "external"}, "backend"),
+        ({"step": 1, "source": {"kind": "hf", "path": "/x"}, "posture": "external"}, "backend_block"),
         ({"step": "one", "source": {"kind": "hf", "path": "/x"}}, "step"),
     ],
 )

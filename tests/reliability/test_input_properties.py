@@ -35,8 +35,7 @@ TRIGGER_KEYS = [
     "policy",
     "max_in_flight",
     "export_time_seconds",
-    "backend",
-    "backend_options",
+    "backend_block",
 ]
 
 _json_scalar = st.one_of(
@@ -66,12 +65,12 @@ _values: dict[str, Any] = {
     "policy": st.one_of(st.sampled_from(["backpressure", "skip", "drop"]), _json_scalar),
     "max_in_flight": st.one_of(st.integers(-1, 100), _json_scalar),
     "export_time_seconds": st.one_of(st.none(), st.floats(-1, 1e4, allow_nan=False), st.text(max_size=3)),
-    "backend": st.one_of(st.none(), st.text(max_size=10)),
-    "backend_options": st.one_of(
-        st.none(), st.dictionaries(st.text(max_size=5), _json_scalar, max_size=2), _json_scalar
-    ),
+    "backend_block": st.one_of(st.none(), st.sampled_from(["sglang", "Bad Name", ""]), st.text(max_size=10)),
 }
-_payload = st.fixed_dictionaries({}, optional={**_values, "bogus": _json_scalar})
+# `backend`/`backend_options` (a class path and options) are no fields: a payload naming them is refused
+_payload = st.fixed_dictionaries(
+    {}, optional={**_values, "bogus": _json_scalar, "backend": st.sampled_from(["os:system", "x.y:Z"])}
+)
 
 
 def _named(exc: ValidationError, payload: dict[str, Any]) -> bool:

@@ -106,8 +106,8 @@ def test_flow_run_sigkilled_in_every_phase(
     bucket = s3_server.make_bucket("kill")
     env = _blocks(tmp_path / "export", _launch_block(cpu_fleet, f"k-exp-{tag}"))
     StagingBlock(root=f"s3://{bucket}/stage", endpoint_url=s3.url, aws_access_key_id=KEY,
-                 aws_secret_access_key=SECRET, cache_dir=str(tmp_path / "cache")).save(env.blocks["staging"],
-                                                                                    overwrite=True)
+                 aws_secret_access_key=SECRET, cache_dir=str(tmp_path / "cache"),
+                 source_roots=[str(tmp_path), str(tiny_model)]).save(env.blocks["staging"], overwrite=True)
     weights = tmp_path / "w.safetensors"
     save_file({k: v for f in tiny_model.glob("*.safetensors") for k, v in load_file(f).items()}, str(weights))
     phases.append(Phase("export", env, 1, {"source": {"kind": "state_dict", "path": str(weights),

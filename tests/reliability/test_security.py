@@ -157,7 +157,7 @@ _POINT = textwrap.dedent("""
     EvalSuiteBlock(suite=SMALL_SUITE).save("s", overwrite=True)
     FleetBlock(name="nowhere", mode="attach", engine_urls=["http://127.0.0.1:9"], router_url="http://127.0.0.1:9").save(
         "f", overwrite=True)
-    StagingBlock(root=tmp + "/stage").save("st", overwrite=True)
+    StagingBlock(root=tmp + "/stage", source_roots=[tmp]).save("st", overwrite=True)
     SinksBlock(jsonl_path=tmp + "/m.jsonl").save("si", overwrite=True)
     state = eval_point(run=run, step=3, source={"kind": "hf", "path": tmp + "/no-such-ckpt"}, suite="s", fleet="f",
                        staging="st", sinks="si", return_state=True)

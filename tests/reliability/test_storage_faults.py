@@ -79,6 +79,7 @@ def test_persistent_s3_errors_end_the_point_export_failed_with_nothing_left(
             aws_access_key_id=KEY,
             aws_secret_access_key=SECRET,
             cache_dir=str(tmp_path / "cache"),
+            source_roots=[str(tmp_path), str(tiny_model)],
         ).save(env.blocks["staging"], overwrite=True)
         weights = tmp_path / "step5.safetensors"
         save_file({k: v for f in tiny_model.glob("*.safetensors") for k, v in load_file(f).items()}, str(weights))
@@ -101,7 +102,9 @@ def test_full_local_staging_is_export_failed_and_leaves_nothing(
 ) -> None:
     dead = [f"http://127.0.0.1:{free_port()}"]
     env = save_point_blocks(tmp_path, FleetBlock(name="diskfull", mode="attach", engine_urls=dead, router_url=dead[0]))
-    StagingBlock(root=str(small_disk / "stage")).save(env.blocks["staging"], overwrite=True)
+    StagingBlock(root=str(small_disk / "stage"), source_roots=[str(tmp_path), str(tiny_model)]).save(
+        env.blocks["staging"], overwrite=True
+    )
     weights = tmp_path / "step6.safetensors"
     save_file({k: v for f in tiny_model.glob("*.safetensors") for k, v in load_file(f).items()}, str(weights))
     assert weights.stat().st_size > 300 * 1024, "the snapshot must not fit the 256 KiB disk"
