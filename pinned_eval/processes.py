@@ -49,7 +49,7 @@ class ProcessSpec(BaseModel):
     role: Literal["engine", "router", "prefect-server", "worker", "warm-start", "backend-host"]
     command: list[str] = Field(min_length=1)
     env: dict[str, str] = Field(
-        default_factory=dict, repr=False, description="Added on top of the launcher's environment (keys: never in repr)."
+        default_factory=dict, repr=False, description="Added on top of the launcher's environment (never in repr)."
     )
     port: int = Field(default=0, ge=0, lt=65536, description="0: the process serves nothing (a worker).")
     host: str = "127.0.0.1"
