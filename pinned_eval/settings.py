@@ -8,10 +8,12 @@ from __future__ import annotations
 import base64
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 # the variable naming a file that holds the Prefect API credential (`user:password`, one line)
 AUTH_FILE_ENV = "PINNED_EVAL_API_AUTH_FILE"
@@ -91,3 +93,20 @@ class PrefectApiSettings(BaseSettings):
         if self.api_key is not None:
             return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
         return {}
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> PrefectApiSettings:
+        """The settings `environ` holds, and nothing of the process's environment (a caller that
+        passes its own environment means exactly that one)."""
+        aliases = {str(f.validation_alias) for f in cls.model_fields.values()}
+        return _ExplicitPrefectApi.model_validate({k: v for k, v in environ.items() if k in aliases})
+
+
+class _ExplicitPrefectApi(PrefectApiSettings):
+    """`PrefectApiSettings` from its keyword arguments only."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, *_: Any, **__: Any
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)

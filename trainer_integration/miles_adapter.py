@@ -114,11 +114,7 @@ class AdapterConfig(BaseModel):
     def from_args(cls, args: Any, environ: dict[str, str] | None = None) -> AdapterConfig:
         """Env `PINNED_EVAL_MILES_<FIELD>` (JSON for blocks/parameters), then `args.pinned_eval_<field>`."""
         env = os.environ if environ is None else environ
-        prefect = (
-            PrefectApiSettings()
-            if environ is None
-            else PrefectApiSettings.model_validate({k: v for k, v in env.items() if k.startswith("PREFECT_")})
-        )
+        prefect = PrefectApiSettings() if environ is None else PrefectApiSettings.from_environ(environ)
         values: dict[str, Any] = {
             "api_url": prefect.api_url,
             "api_key": prefect.api_key,

@@ -71,7 +71,8 @@ def test_measured_point_pins_exactly_its_step(prefect_server: str, cpu_fleet, tm
 def test_busy_under_skip_policy_is_a_skipped_point(point_env: PointEnv) -> None:
     with admitted(point_env.run, 1, policy="skip", final=False, max_in_flight=1):
         state, _ = run_point(
-            point_env, 2, source={"kind": "hf", "path": "/nonexistent"}, policy="skip", max_in_flight=1
+            point_env, 2, source={"kind": "hf", "path": str(point_env.staging_root / "nonexistent")}, policy="skip",
+            max_in_flight=1,
         )
     assert state.is_completed() and state.name == "Skipped"
     assert state.message.startswith("busy")

@@ -11,6 +11,7 @@ processes are killed by PID if it overruns.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -154,7 +155,8 @@ def test_offline_export_reads_megatron_lm_save_root(mcore_run: Path, tmp_path: P
 
     root = tmp_path / "save"
     root.mkdir()
-    (root / "iter_0000020").symlink_to(mcore_run / "ckpt-qwen3", target_is_directory=True)
+    # a copy, not a symlink: the reader refuses entries that resolve outside the checkpoint
+    shutil.copytree(mcore_run / "ckpt-qwen3", root / "iter_0000020")
     (root / "latest_checkpointed_iteration.txt").write_text("20\n")
     export_megatron_checkpoint(root, str(mcore_run / "base-qwen3"), str(tmp_path / "hf"))
     _assert_same_logits(tmp_path / "hf", mcore_run / "logits-qwen3-tp2.pt")

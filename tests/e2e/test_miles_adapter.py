@@ -14,6 +14,7 @@ import pytest
 from prefect import flow
 
 from blocks import ExternalBackendBlock, FleetBlock, SinksBlock
+from pinned_eval.settings import PrefectApiSettings
 from tasks.external import evaluate_external
 from tasks.log import log_point, measured_rows
 from tests.conftest import free_port
@@ -116,7 +117,8 @@ def test_measured_point_without_samples_is_refused(prefect_server: str, tmp_path
 
 
 async def _collect(api_url: str, run: str, flow_run_id: str, step: int):  # type: ignore[no-untyped-def]
-    config = AdapterConfig(api_url=api_url, run=run, poll_interval_s=0.2, timeout_s=30)
+    auth = PrefectApiSettings().api_auth_string  # the test server's credential, from the environment
+    config = AdapterConfig(api_url=api_url, run=run, poll_interval_s=0.2, timeout_s=30, auth_string=auth)
     async with httpx.AsyncClient(timeout=30) as http:
         rest = PinnedEvalREST(config, http)
         return await collect_point(rest, await rest.wait(flow_run_id), step)

@@ -47,7 +47,7 @@ def test_a_deadline_during_generation_times_out_and_frees_the_fleet(
     router = StallingRouter(cpu_fleet.router_url)
     try:
         fleet = FleetBlock(name=f"stall{uuid.uuid4().hex[:6]}", mode="attach", engine_urls=cpu_fleet.engine_urls,
-                           router_url=router.url)  # fmt: skip
+                           router_url=router.url, **cpu_fleet.block_keys())  # fmt: skip
         env = save_point_blocks(tmp_path, fleet, keep_snapshots=0, point_timeout_seconds=20)
         src = _staged(env, 51, tiny_model)
         state = eval_point(**env.params(51, source=src, max_in_flight=1), return_state=True)

@@ -47,6 +47,7 @@ def block_only_s3(
     bucket = f"s3://{s3_server.make_bucket('blk')}"
     StagingBlock(
         root=f"{bucket}/stage",
+        source_roots=[f"{bucket}/trainer"],  # where the trainer saves its checkpoints (the watched prefix)
         endpoint_url=s3_server.endpoint_url,
         aws_access_key_id=KEY,
         aws_secret_access_key=SECRET,

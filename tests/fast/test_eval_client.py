@@ -179,6 +179,8 @@ def test_auth_string_wins_over_api_key_on_the_wire(http_server, monkeypatch: pyt
 def test_webhook_gets_the_bare_event_with_bearer(http_server, monkeypatch: pytest.MonkeyPatch):
     api, rec = http_server
     monkeypatch.setenv("PREFECT_API_KEY", "pnu_secret")
+    for name in ("PREFECT_API_AUTH_STRING", "PINNED_EVAL_API_AUTH_FILE"):  # a basic-auth string would win
+        monkeypatch.delenv(name, raising=False)
     hook = api.removesuffix("/api") + "/hooks/abc123"
     delivery = Delivery(PrefectRest(api, api_client(PrefectApiSettings())), webhook_url=hook)
     delivery(event_entry(request(4), BlockNames()))

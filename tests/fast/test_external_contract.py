@@ -306,7 +306,9 @@ def test_backend_config_modes_and_env() -> None:
 # ---------------------------------------------------------------------------- miles adapter
 
 
-def test_adapter_config_from_env_then_args() -> None:
+def test_adapter_config_from_env_then_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the environment passed is the whole environment: the process's own credential never leaks in
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "leak:from-the-process")
     env = {
         "PREFECT_API_URL": "http://127.0.0.1:4200/api",
         "PREFECT_API_KEY": "sekrit",

@@ -36,6 +36,7 @@ from bench.burst import (
 )
 from blocks import FleetBlock
 from pinned_eval.events import BlockNames
+from pinned_eval.settings import PrefectApiSettings
 from tests.deploykit import REPO, prefect_cli, wait_for
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks
 from tests.prefect_server import prefect_rest_client
@@ -122,11 +123,12 @@ def postgres_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgre
             stop_server(server.pid)
 
 
-def executed_by(api_url: str) -> dict[str, str]:
+def executed_by(api_url: str, auth_string: str) -> dict[str, str]:
     """flow run id -> name of the worker that executed it, from `prefect.worker.executed-flow-run` events."""
     body = {"filter": {"event": {"name": ["prefect.worker.executed-flow-run"]}}, "limit": 50}
     out: dict[str, str] = {}
-    with prefect_rest_client() as http:
+    auth = PrefectApiSettings.from_environ({"PREFECT_API_AUTH_STRING": auth_string}).auth_headers()
+    with prefect_rest_client(headers=auth) as http:
         page = http.post(f"{api_url}/events/filter", json=body).raise_for_status().json()
         while True:
             for event in page["events"]:
@@ -188,7 +190,9 @@ def test_points_spread_over_two_workers_and_two_fleets_on_postgres(
 
     # both workers executed points; each point by exactly one of them, as its own log says
     executed = wait_for(
-        lambda: (ex := executed_by(api_url)) and set(flow_run_ids) <= set(ex) and ex, 60, "executed-flow-run events"
+        lambda: (ex := executed_by(api_url, postgres_stack.auth_string)) and set(flow_run_ids) <= set(ex) and ex,
+        60,
+        "executed-flow-run events",
     )
     assert {executed[i] for i in flow_run_ids} == set(WORKERS), executed
     # each worker's own log agrees: the executing worker submitted the run and was not turned
