@@ -79,7 +79,7 @@ def check_server_socket(path: Path) -> None:
         raise UnsafeSocketDir(f"socket path {path}: not a socket of this uid {os.geteuid()} (uid {st.st_uid})")
 
 
-def _answers(path: Path) -> bool:
+def answers(path: Path) -> bool:
     """True when a server accepts a connection on `path` (a live socket); False for a stale one."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(5.0)
@@ -98,7 +98,7 @@ def listen_private(path: Path, backlog: int = 64) -> socket.socket:
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise UnsafeSocketDir(f"socket path {path}: exists and is not a socket; refusing to replace it")
-        if _answers(path):
+        if answers(path):
             raise SocketInUse(f"socket path {path}: a server is already listening there; stop it first")
         path.unlink()  # stale: its server died without removing it
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -130,6 +130,7 @@ def foreign_peer(conn: _HasSockopt, what: str) -> str | None:
 __all__ = [
     "SocketInUse",
     "UnsafeSocketDir",
+    "answers",
     "check_server_socket",
     "foreign_peer",
     "listen_private",

@@ -10,7 +10,6 @@ server the client cold-starts `python -m prefect.engine`, so nothing breaks, it 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.warm_start.client import SOCKET_ENV
+from pinned_eval.local_socket import answers
 
 CLIENT = Path(__file__).with_name("client.py")
 
@@ -49,21 +49,11 @@ def write_job_template(path: Path) -> Path:
     return path
 
 
-def _accepts(socket_path: Path) -> bool:
-    """True when a server accepts connections on `socket_path` (a stale file left by a dead one does not)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(socket_path))
-        except OSError:
-            return False
-        return True
-
-
 def wait_listening(socket_path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
     """Block until the server accepts connections on `socket_path`; `RuntimeError` if it exits or
     times out first."""
     deadline = time.monotonic() + timeout_s
-    while not _accepts(socket_path):
+    while not answers(socket_path):
         if proc.poll() is not None:
             raise RuntimeError(f"warm-start server exited with {proc.returncode} before listening on {socket_path}")
         if time.monotonic() > deadline:
