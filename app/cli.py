@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from app.commands import demo, fleet, history, points, snapshot, stack, suite
+from app.commands import blocks, demo, fleet, history, init, points, snapshot, stack, suite
 from engine import cli as engine
 
 app = typer.Typer(
@@ -22,7 +22,9 @@ app.add_typer(engine.app, name="engine")
 app.add_typer(fleet.app, name="fleet")
 app.add_typer(snapshot.app, name="snapshot")
 app.add_typer(suite.app, name="suite")
-app.command("tiny-model")(engine.tiny_model)
+app.add_typer(blocks.app, name="block")
+app.command("init")(init.init)
+app.command("tiny-model")(snapshot.tiny_model)
 app.command("export")(snapshot.export)
 app.add_typer(stack.server_app, name="server")
 app.command("deploy")(stack.deploy)

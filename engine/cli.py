@@ -1,17 +1,18 @@
 """The engine's command line: `python -m engine` (= `serve`), also mounted by the app as
-`pinned-eval engine serve` and `pinned-eval tiny-model`.
+`pinned-eval engine serve` (`pinned-eval tiny-model` is the app's: it marks the model complete,
+which the engine, a leaf, cannot).
 
 Keys: `--api-key`/`--admin-api-key` exist for SGLang parity, but a flag is visible to every local
 user in `ps`; launchers pass them in the environment instead (`API_KEY_ENV`, `ADMIN_API_KEY_ENV`),
 which only the engine's own user can read.
-Both verbs import torch/transformers lazily so `pinned-eval --help` stays fast. Exit codes:
+`serve` imports torch/transformers lazily so `pinned-eval --help` stays fast. Exit codes:
 0 success, 1 the engine failed, 2 bad usage (typer).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
@@ -65,20 +66,3 @@ def serve(
     from engine.server import serve as run_server  # torch/transformers: `--help` stays fast
 
     run_server(args)
-
-
-def tiny_model(
-    out: Annotated[Path, typer.Option(help="Directory to write the snapshot into.")],
-    arch: Annotated[str, typer.Option(help="llama, qwen2 or qwen3.")] = "llama",
-    seed: Annotated[int, typer.Option(help="Weight init seed.")] = 0,
-    max_shard_size: Annotated[str | None, typer.Option(help="Shard the weights, e.g. 100KB.")] = None,
-) -> None:
-    """Write a tiny HF causal LM + tokenizer, fully offline."""
-    from engine.tiny_model import make_tiny_model  # torch/transformers: `--help` stays fast
-
-    if arch not in ("llama", "qwen2", "qwen3"):
-        typer.echo(f"tiny-model: --arch must be llama, qwen2 or qwen3, got {arch!r}", err=True)
-        raise typer.Exit(code=2)
-    chosen: Literal["llama", "qwen2", "qwen3"] = arch  # type: ignore[assignment]
-    path = make_tiny_model(out, arch=chosen, seed=seed, max_shard_size=max_shard_size)
-    typer.echo(str(path))

@@ -106,13 +106,7 @@ def parse_miles_eval_config(
 ) -> MilesEvalConfig:
     """Read and map a miles eval config (see the module docstring)."""
     text, file_dir, name = _read_source(source)
-    try:
-        root = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ValueError(f"eval config {name}: not valid YAML{at}: {problem}") from exc
+    root = load_yaml(text, f"eval config {name}")
     if not isinstance(root, dict):
         raise ValueError("eval config: root must be a mapping")
     root = resolve_interpolations(root, variables or {})
@@ -140,6 +134,18 @@ def parse_miles_eval_config(
         file_dir,
         [w for w, _ in entries],
     )
+
+
+def load_yaml(text: str, name: str) -> Any:
+    """`yaml.safe_load(text)`; a syntax error raises a ValueError that starts with `name` (e.g. the
+    file) and gives the line and column, never PyYAML's `<unicode string>`."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"{name}: not valid YAML{at}: {problem}") from exc
 
 
 def resolve_interpolations(root: dict[str, Any], variables: Mapping[str, str]) -> dict[str, Any]:

@@ -1,13 +1,21 @@
-"""`pinned-eval snapshot check|ls` and `pinned-eval export` (owned by the snapshot work).
+"""`pinned-eval snapshot check|ls|mark`, `pinned-eval export` and `pinned-eval tiny-model`.
 
-Exit codes: 0 success (check: the snapshot is complete); 1 the snapshot is incomplete or the
-export failed (reason on stderr); 2 bad usage. S3 credentials come from the standard AWS
-environment variables (botocore reads them); `--endpoint-url` (or `AWS_ENDPOINT_URL_S3` /
-`AWS_ENDPOINT_URL`) points at MinIO, moto or another S3-compatible store.
+`snapshot mark DIR` is for checkpoints a user already has (e.g. `save_pretrained` output): it runs
+every check of `snapshot check` except the marker's presence, and only when they all pass writes
+the bare `.complete` marker (an empty file, as miles writes; the check then judges it stale when
+any shard or the index is modified after it). `tiny-model` writes the engine's tiny model and
+marks it the same way, so a point can use it as an `hf` source.
+
+Exit codes: 0 success (check: the snapshot is complete; mark: it is marked or already was);
+1 the snapshot is incomplete or the export failed (reason on stderr); 2 bad usage. S3
+credentials come from the standard AWS environment variables (botocore reads them);
+`--endpoint-url` (or `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`) points at MinIO, moto or another
+S3-compatible store.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import UTC, datetime
 from functools import partial
@@ -16,7 +24,8 @@ from typing import Annotated, Any
 
 import typer
 
-from pinned_eval.snapshot.check import check_snapshot
+from pinned_eval.snapshot.check import SnapshotCheck, SnapshotProblem, check_snapshot
+from pinned_eval.snapshot.layout import MARKER
 from pinned_eval.snapshot.staging import Staging
 
 app = typer.Typer(help="Check and list HF snapshots (local or s3://).", no_args_is_help=True)
@@ -62,6 +71,62 @@ def check(
         return
     typer.echo(f"{result.path}: incomplete: {result.problem}: {result.detail}", err=True)
     raise typer.Exit(code=1)
+
+
+def mark_complete(directory: Path) -> tuple[SnapshotCheck, bool]:
+    """Check `directory` as a snapshot without requiring the marker; when complete and unmarked,
+    write the bare marker and check again. Returns (the last check, whether a marker was written);
+    a marker that the check after writing refuses (a file dated in the future) is removed again."""
+    first = check_snapshot(str(directory), require_marker=False)
+    marker = directory / MARKER
+    if not first.complete or marker.exists():
+        return first, False
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+    after = check_snapshot(str(directory))
+    if not after.complete:
+        marker.unlink()
+    return after, True
+
+
+@app.command("mark")
+def mark(
+    directory: Annotated[Path, typer.Argument(help="A local HF checkpoint directory (config, tokenizer, "
+                                              "safetensors weights).")],
+) -> None:
+    """Check a checkpoint you already have and, when it is complete, write its `.complete` marker
+    (points refuse a snapshot without it as ckpt_missing)."""
+    if "://" in str(directory) or not directory.is_dir():
+        typer.echo(f"error: DIRECTORY: {directory} is not a local directory", err=True)
+        raise typer.Exit(2)
+    result, written = mark_complete(directory)
+    if not result.complete:
+        fix = (f"; if the files are final, remove {directory / MARKER} and mark again"
+               if result.problem in (SnapshotProblem.STALE_MARKER, SnapshotProblem.BAD_MARKER) else "")
+        typer.echo(f"error: {result.path}: not marked: {result.problem}: {result.detail}{fix}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{result.path}: {'marked' if written else 'already marked'} {result.detail}")
+
+
+def tiny_model(
+    out: Annotated[Path, typer.Option(help="Directory to write the snapshot into.")],
+    arch: Annotated[str, typer.Option(help="llama, qwen2 or qwen3.")] = "llama",
+    seed: Annotated[int, typer.Option(help="Weight init seed.")] = 0,
+    max_shard_size: Annotated[str | None, typer.Option(help="Shard the weights, e.g. 100KB.")] = None,
+) -> None:
+    """Write a tiny HF causal LM + tokenizer, fully offline, marked complete (usable as an hf source)."""
+    if arch not in ("llama", "qwen2", "qwen3"):
+        typer.echo(f"error: --arch must be llama, qwen2 or qwen3, got {arch!r}", err=True)
+        raise typer.Exit(code=2)
+    from engine.tiny_model import make_tiny_model  # torch/transformers: `--help` stays fast
+
+    (out / MARKER).unlink(missing_ok=True)  # rewriting the files: an old marker would vouch for them
+    path = make_tiny_model(out, arch=arch, seed=seed, max_shard_size=max_shard_size)  # type: ignore[arg-type]
+    result, _ = mark_complete(path)
+    if not result.complete:  # the engine wrote something the check refuses: a bug, said as such
+        typer.echo(f"error: {path}: written but not complete: {result.problem}: {result.detail}", err=True)
+        raise typer.Exit(code=1)
+    typer.echo(str(path))
 
 
 @app.command("ls")

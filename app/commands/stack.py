@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from app.commands import blocks
 from pinned_eval.settings import get_settings
 
 server_app = typer.Typer(help="A local Prefect server (SQLite, filesystem lease storage) on 127.0.0.1.",
@@ -54,6 +55,7 @@ def deploy() -> None:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo("deployed eval-point (trigger: pinned-eval.point.requested)")
+    blocks.note_missing_blocks()
 
 
 def worker(
