@@ -91,13 +91,14 @@ def mark_complete(directory: Path) -> tuple[SnapshotCheck, bool]:
 
 @app.command("mark")
 def mark(
-    directory: Annotated[Path, typer.Argument(help="A local HF checkpoint directory (config, tokenizer, "
-                                              "safetensors weights).")],
+    path: Annotated[str, typer.Argument(metavar="DIRECTORY", help="A local HF checkpoint directory (config, "
+                                        "tokenizer, safetensors weights).")],
 ) -> None:
     """Check a checkpoint you already have and, when it is complete, write its `.complete` marker
     (points refuse a snapshot without it as ckpt_missing)."""
-    if "://" in str(directory) or not directory.is_dir():
-        typer.echo(f"error: DIRECTORY: {directory} is not a local directory", err=True)
+    directory = Path(path)
+    if "://" in path or not directory.is_dir():
+        typer.echo(f"error: DIRECTORY: {path} is not a local directory", err=True)
         raise typer.Exit(2)
     result, written = mark_complete(directory)
     if not result.complete:
