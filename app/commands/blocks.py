@@ -9,8 +9,8 @@
   is saved; relative paths resolve against the file's directory.
 - `block show KIND NAME` prints the saved fields as JSON, secrets masked (`********`);
   `block list` prints `kind name` of every saved pinned-eval block.
-- `missing_default_blocks()` (used by `deploy`) names the `default` blocks that do not exist and
-  the command that creates each.
+- `missing_blocks()` (printed by `deploy`) names the `default` blocks that do not exist and the
+  command that creates each.
 
 Exit codes: 0 done; 1 Prefect unreachable, the block does not exist (show), it exists (save
 without `--overwrite`); 2 bad input (the message names the flag, or `FILE: section.key`).
@@ -27,6 +27,7 @@ import typer
 from app.block_specs import KINDS, SpecError, build_block
 from app.commands.points import fail, prefect_client
 from app.commands.suite import _variables
+from pinned_eval.events import BlockNames
 
 if TYPE_CHECKING:
     from prefect.blocks.core import Block
@@ -229,11 +230,13 @@ def show(
 @app.command("list")
 def list_blocks() -> None:
     """Print `kind name` of every saved pinned-eval block."""
+    kinds = {slug: kind for kind, slug in SLUGS.items()}
     with prefect_client() as client:
-        for kind, slug in SLUGS.items():
-            for doc in client.read_block_documents_by_type(slug, include_secrets=False):
-                if doc.name and not doc.is_anonymous:
-                    typer.echo(f"{kind:<8} {doc.name}")
+        docs = client.read_block_documents(include_secrets=False)  # one call: unregistered kinds are no error
+    rows = sorted((list(SLUGS).index(kinds[d.block_type.slug]), d.name) for d in docs
+                  if d.block_type is not None and d.block_type.slug in kinds and d.name and not d.is_anonymous)
+    for index, name in rows:
+        typer.echo(f"{list(SLUGS)[index]:<8} {name}")
 
 
 @app.command("apply")
@@ -261,17 +264,20 @@ def apply(
             typer.echo(f"{'replaced' if replaced else 'saved'} {kind} block {name!r}")
 
 
-def missing_default_blocks() -> list[str]:
-    """One line per `default` block that does not exist, naming the command that creates it
-    (what `deploy` prints; a point that names a missing block is skipped by its flow run)."""
+def missing_blocks(names: BlockNames | None = None) -> list[str]:
+    """One line per block of `names` (default: every kind's `default`, what a point uses unless
+    told otherwise) that does not exist, naming the command that creates it. A point naming a
+    missing block is skipped by its flow run; `deploy` prints these lines so it is known before."""
+    names = names or BlockNames()
     with prefect_client() as client:
-        missing = [kind for kind in KINDS if not _exists(client, kind, DEFAULT_NAME)]
-    return [f"missing {kind} block {DEFAULT_NAME!r}: {HOW[kind].format(name=DEFAULT_NAME)}" for kind in missing]
+        missing = [kind for kind in KINDS if not _exists(client, kind, getattr(names, kind))]
+    return [f"missing {kind} block {getattr(names, kind)!r}: create it with "
+            f"`{HOW[kind].format(name=getattr(names, kind))}`" for kind in missing]  # fmt: skip
 
 
 def note_missing_blocks() -> None:
-    """Print `missing_default_blocks()` (stderr), or that every default block exists."""
-    lines = missing_default_blocks()
+    """Print `missing_blocks()` on stderr, or that every default block exists (what `deploy` ends with)."""
+    lines = missing_blocks()
     for line in lines:
         typer.echo(line, err=True)
     if not lines:

@@ -127,7 +127,7 @@ def tiny_model(
     if not result.complete:  # the engine wrote something the check refuses: a bug, said as such
         typer.echo(f"error: {path}: written but not complete: {result.problem}: {result.detail}", err=True)
         raise typer.Exit(code=1)
-    typer.echo(str(path))
+    typer.echo(str(path.resolve()))
 
 
 @app.command("ls")

@@ -61,7 +61,8 @@ def data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (["fleet", "default", "--launch", "--backend", "tpu"], "--backend: Input should be 'cpu' or 'sglang' (got 'tpu')"),
     (["fleet", "default", "--launch", "--lock", "Big"], "--lock: 'Big': lowercase letters, digits and dashes (it "
                                                         "names the pin lock fleet-<lock>)"),
-    (["fleet", "default", "--launch", "--engines", "0"], "--engines: Input should be greater than or equal to 1 (got 0)"),
+    (["fleet", "default", "--launch", "--engines", "0"],
+     "--engines: Input should be greater than or equal to 1 (got 0)"),
     (["staging", "default", "--root", "st", "--keep", "-1"],
      "--keep: Input should be greater than or equal to 0 (got -1)"),
     (["staging", "default", "--root", "st", "--cache-max-size", "lots"],
@@ -114,6 +115,9 @@ def test_flags_build_the_blocks_a_python_user_would_save(data: Path) -> None:
     assert (fleet.mode, fleet.name, fleet.engine_urls, fleet.router_url, fleet.api_key) == (
         "attach", "gpu-a", ["http://127.0.0.1:1"], "http://127.0.0.1:2", None)
     assert fleet.admin_api_key is not None and fleet.admin_api_key.get_secret_value() == "adm"
+    shared = build_block("fleet", {"launch": True, "state_file": "f.json", "lock": "gpu-a"}, data, "gpu-a-lora")
+    assert isinstance(shared, FleetBlock) and (shared.lock_name, shared.state_file) == ("fleet-gpu-a",
+                                                                                        str(data / "f.json"))
     staging = build_block("staging", {"root": "st", "source_root": ["ckpt", "s3://b/c"], "keep": 1}, data, "x")
     assert isinstance(staging, StagingBlock)
     assert (staging.root, staging.source_roots, staging.keep_snapshots) == (

@@ -1,0 +1,145 @@
+"""A new user's first hour, through the real CLI (`python -m app.cli` subprocesses, a fresh
+`PINNED_EVAL_HOME`): `init` → own JSONL dataset + miles-style YAML → blocks saved by
+`block apply` → `tiny-model` (marked complete) → a point requested and measured on the session's
+CPU fleet (attached by URL with key files) by the deployed worker. Plus the block verbs against
+the real server: save, overwrite refusal, show (secrets masked), list, and the missing-block note.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import app
+from app.commands.blocks import missing_blocks
+from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from pinned_eval.events import BlockNames
+from pinned_eval.sinks import JsonlSink
+from tests.deploykit import Deployed
+from tests.pointkit import CpuFleet
+
+pytestmark = pytest.mark.e2e
+
+OWN_ROWS = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in (1, 2, 3) for b in (1, 2)]
+
+
+def pe(*args: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def key_file(path: Path, key: str) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, key.encode() + b"\n")
+    os.close(fd)
+    return path
+
+
+@pytest.mark.timeout(900)  # a Prefect server, the CPU fleet and the worker start first; 8 CLI processes
+def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
+    deployed: Deployed, cpu_fleet: CpuFleet, tmp_path: Path
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    name, run, proj = f"fh-{tag}", f"fh{tag}", tmp_path / "proj"
+    env = dict(os.environ, PINNED_EVAL_HOME=str(tmp_path / "home"), PREFECT_API_URL=deployed.api_url)
+
+    done = pe("init", str(proj), env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # the user's own dataset (own keys) and eval YAML, miles-style
+    (proj / "data" / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in OWN_ROWS))
+    (proj / "eval.yaml").write_text(
+        "eval:\n  defaults:\n    rm_type: exact_match\n    max_response_len: 3\n    temperature: 0.0\n"
+        "  datasets:\n    - name: Mine.v1\n      path: data/mine.jsonl\n      input_key: question\n"
+        "      label_key: answer\n"
+    )
+    key_file(proj / "engine-api-key", cpu_fleet.api_key)
+    key_file(proj / "engine-admin-key", cpu_fleet.admin_api_key)
+    attach = "".join(f"\n    - {u}" for u in cpu_fleet.engine_urls)
+    (proj / "pinned-eval.yaml").write_text(
+        "suite:\n  from_yaml: eval.yaml\n"
+        f"fleet:\n  attach:{attach}\n  router: {cpu_fleet.router_url}\n  api_key_file: engine-api-key\n"
+        "  admin_api_key_file: engine-admin-key\n"
+        "staging:\n  root: staging\n  source_root: [ckpt]\n  keep: 1\n"
+        "sinks:\n  jsonl: metrics.jsonl\n"
+    )
+    done = pe("block", "apply", "pinned-eval.yaml", "--name", name, env=env, cwd=proj)
+    assert (done.returncode, done.stdout) == (0, "".join(f"saved {k} block {name!r}\n"
+                                                         for k in ("suite", "fleet", "staging", "sinks"))), done.stderr
+    done = pe("tiny-model", "--out", "ckpt/tiny", env=env, cwd=proj)
+    assert (done.returncode, done.stdout) == (0, f"{proj / 'ckpt' / 'tiny'}\n"), done.stderr
+
+    done = pe("request", "--run", run, "--step", "0", "--source", f"hf:{proj / 'ckpt' / 'tiny'}",
+              *(f"--{k}={name}" for k in ("suite", "fleet", "staging", "sinks")), "--wait", "--timeout", "240",
+              env=env, cwd=proj, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ": Completed (completed)" in done.stdout.splitlines()[-1], done.stdout
+    done = pe("status", "--run", run, "--json", env=env, cwd=proj)
+    [point] = json.loads(done.stdout)["points"]
+    assert (point["outcome"], point["reason"], sorted(point["scores"])) == ("measured", None, ["Mine.v1"])
+    [row] = JsonlSink(proj / "metrics.jsonl").read(run)
+    assert (row.step, row.state, row.dataset, row.weight_version) == (0, "measured", "Mine.v1", "0")
+    assert row.metrics["eval/Mine.v1-none_reward_ratio"] == 0.0  # every row of the user's file was scored
+
+
+def cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def test_block_verbs_save_show_list_and_name_missing_blocks(
+    prefect_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    name = f"b-{uuid.uuid4().hex[:6]}"
+    names = BlockNames(suite=name, fleet=name, staging=name, sinks=name)
+    assert missing_blocks(names) == [
+        f"missing suite block {name!r}: create it with `pinned-eval block save suite {name} --dataset "
+        "NAME=FILE.jsonl (or --from-yaml eval.yaml)`",
+        f"missing fleet block {name!r}: create it with `pinned-eval block save fleet {name} --launch (after "
+        "`pinned-eval fleet up`) or --attach URL --router URL`",
+        f"missing staging block {name!r}: create it with `pinned-eval block save staging {name} --root DIR "
+        "--source-root CHECKPOINTS_DIR`",
+        f"missing sinks block {name!r}: create it with `pinned-eval block save sinks {name} --jsonl FILE`",
+    ]
+    key = key_file(tmp_path / "admin", "adm1n-k3y")
+    assert cli("block", "save", "suite", name, "--dataset", "t=d.jsonl", "--max-new-tokens", "3") == (
+        0, f"saved suite block {name!r}\n")
+    assert cli("block", "save", "fleet", name, "--launch", "--state-file", "fleet.json",
+               "--admin-api-key-file", str(key)) == (0, f"saved fleet block {name!r}\n")  # fmt: skip
+    assert cli("block", "save", "staging", name, "--root", "st", "--source-root", "ck") == (
+        0, f"saved staging block {name!r}\n")
+    assert cli("block", "save", "sinks", name, "--jsonl", "m.jsonl") == (0, f"saved sinks block {name!r}\n")
+    assert missing_blocks(names) == []
+
+    code, out = cli("block", "save", "staging", name, "--root", "other")
+    assert (code, out.strip()) == (1, f"error: a staging block named {name!r} exists: pass --overwrite to replace "
+                                      f"it (`pinned-eval block show staging {name}` shows it)")  # fmt: skip
+    assert StagingBlock.load(name).root == str(tmp_path / "st")
+    assert cli("block", "save", "staging", name, "--root", "other", "--overwrite")[0] == 0
+    assert StagingBlock.load(name).root == str(tmp_path / "other")
+
+    code, out = cli("block", "show", "fleet", name)
+    assert code == 0 and "adm1n-k3y" not in out, out
+    shown = json.loads(out)
+    assert (shown["mode"], shown["name"], shown["state_file"], shown["admin_api_key"], shown["api_key"]) == (
+        "launch", name, str(tmp_path / "fleet.json"), "********", None)
+    assert FleetBlock.load(name).admin_api_key.get_secret_value() == "adm1n-k3y"  # type: ignore[union-attr]
+    [ds] = EvalSuiteBlock.load(name).resolved()
+    assert (ds.name, ds.path, ds.max_new_tokens) == ("t", tmp_path / "d.jsonl", 3)
+    assert SinksBlock.load(name).jsonl_path == str(tmp_path / "m.jsonl")
+
+    code, out = cli("block", "list")
+    assert code == 0 and {f"{k:<8} {name}" for k in ("suite", "fleet", "staging", "sinks")} <= set(out.splitlines())
+    code, out = cli("block", "show", "sinks", "nope-nope")
+    assert (code, out.strip()) == (1, "error: no sinks block named 'nope-nope': create it with `pinned-eval block "
+                                      "save sinks nope-nope --jsonl FILE`")  # fmt: skip
+    code, out = cli("block", "show", "stagin", name)
+    assert (code, out.strip()) == (2, "error: KIND: 'stagin' is not one of suite, fleet, staging, sinks, backend")
