@@ -18,7 +18,6 @@ from typing import Annotated, Any
 import typer
 
 from app.block_specs import KINDS
-from pinned_eval.miles_config import load_yaml
 
 CONFIG_NAME = "pinned-eval.yaml"
 
@@ -109,6 +108,8 @@ def init(
 
 def load_project_config(path: Path) -> dict[str, dict[str, Any]]:
     """The sections of a project config (see the module docstring); ValueError names file and key."""
+    from pinned_eval.miles_config import load_yaml  # imports the rewards (sympy): `--help` stays fast
+
     try:
         data = path.read_bytes()
     except OSError as exc:
