@@ -48,7 +48,8 @@ def server_down() -> None:
 
 
 def deploy() -> None:
-    """Register block types, create the `pinned-eval` work pool and deploy prefect.yaml."""
+    """Register block types, create the `pinned-eval` work pool and deploy prefect.yaml; then name
+    each `default` block a point would miss and the command that creates it."""
     try:
         _stack().deploy()
     except RuntimeError as exc:
