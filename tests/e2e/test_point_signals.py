@@ -15,16 +15,19 @@ import pytest
 from prefect import get_client
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+from typer.testing import CliRunner
 
 from app.automations import ALERT_EVENTS, ensure_alerts
+from app.cli import app as cli_app
 from blocks import EvalSuiteBlock, FleetBlock
 from flows.eval_point import eval_point
-from pinned_eval.events import EVENT_MEASURED, EVENT_SKIPPED, point_resource, post_events
+from pinned_eval.events import EVENT_MEASURED, EVENT_SKIPPED, BlockNames, point_resource, post_events
 from pinned_eval.polling import poll_until
 from pinned_eval.sinks import JsonlSink, MetricRow
 from pinned_eval.suite import DatasetSpec
 from tests.pointkit import SMALL_SUITE, CpuFleet, PointEnv, save_point_blocks
 from tests.prefect_server import prefect_rest_client
+from trainer_integration import EvalClient
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +55,22 @@ def test_cadence_runs_the_due_datasets_and_the_final_point_all(
     assert sorted(rows) == [(100, "arith_add"), (150, "arith_add"), (150, "arith_sub")]
     assert (rows[100, "arith_add"]["eval/datasets_run"], rows[100, "arith_add"]["eval/datasets_not_due"]) == (1, 1)
     assert (rows[150, "arith_sub"]["eval/datasets_run"], rows[150, "arith_sub"]["eval/datasets_not_due"]) == (2, 0)
+
+    # the best checkpoint, back to the trainer and the operator: the same weights score the same at
+    # 100 and 150, so arith_add ties (earliest wins); arith_sub ran only at the final point
+    with EvalClient(env.run, prefect_server, blocks=BlockNames(**env.blocks), spool_dir=tmp_path / "spool") as client:
+        add_best, sub_best = client.best("eval/arith_add"), client.best("eval/arith_sub")
+        assert client.best("eval/nonexistent") is None
+    assert add_best is not None and sub_best is not None
+    assert (add_best.step, sub_best.step) == (100, 150)
+    assert sub_best.metrics["arith_sub"]["eval/arith_sub"] == rows[150, "arith_sub"]["eval/arith_sub"]
+    out = CliRunner().invoke(cli_app, ["best", env.run, "--metric", "eval/arith_sub", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == {"run": env.run, "step": 150, "metric": "eval/arith_sub",
+                                      "value": rows[150, "arith_sub"]["eval/arith_sub"], "weight_version": "150",
+                                      "flow_run_id": str(final.state_details.flow_run_id)}  # fmt: skip
+    missing = CliRunner().invoke(cli_app, ["best", env.run, "--metric", "eval/nonexistent"])
+    assert missing.exit_code == 1 and "no measured point" in missing.output
 
 
 def test_no_dataset_due_is_a_skipped_point(prefect_server: str, cpu_fleet: CpuFleet, tmp_path: Path) -> None:
