@@ -118,3 +118,10 @@ def test_statistics_off_and_single_prompt() -> None:
     assert "eval/ds/stderr" not in one  # one prompt: no spread to measure
     assert (one["eval/ds/ci95_low"], one["eval/ds/ci95_high"]) == (0.5, 0.5)
     assert not any("avg@" in k or "maj@" in k or "pass^" in k for k in one)  # pass@k off
+
+
+def test_bootstrap_bounds_are_means_a_resample_reached() -> None:
+    """Inverted-CDF quantiles, not interpolated ones: with few resamples the bounds stay on the grid."""
+    reachable = {0.0, 0.5, 1.0}  # the mean of two prompts drawn with replacement from [0, 1]
+    bounds = {b for seed in range(20) for b in bootstrap_ci([0.0, 1.0], resamples=5, seed=seed)}
+    assert bounds <= reachable and {0.0, 1.0} <= bounds
