@@ -11,6 +11,9 @@ outside the staging block's source roots (`SourceOutsideRoots`, naming `source.p
 `source.hf_base`), refused before any file of it is opened. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
+A point measures the suite's datasets due at its step (`every_n_steps`; all at the final point;
+none due: skipped `no_dataset_due`), and each outcome emits its `pinned-eval.point.*` event
+(`flows.alerts`: measured, regressed, skipped, failed).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ outcome events, and a regression reaching a local HTTP receiver through a real a
 from __future__ import annotations
 
 import json
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from typer.testing import CliRunner
 
-from app.automations import ALERT_EVENTS, ensure_alerts
+from app.automations import ALERT_EVENTS, AUTOMATION_PREFIX, ensure_alerts_in
 from app.cli import app as cli_app
 from blocks import EvalSuiteBlock, FleetBlock
 from flows.eval_point import eval_point
@@ -112,13 +113,19 @@ def receiver() -> Iterator[tuple[str, list[dict[str, str]]]]:
 
 @pytest.fixture
 def alert_automations(prefect_server: str, receiver: tuple[str, list[dict[str, str]]]) -> Iterator[str]:
-    """The deploy-time automations, notifying `receiver` through a saved custom-webhook block."""
+    """The deploy-time automations, notifying `receiver` through a saved custom-webhook block;
+    without the block, none is created."""
     url, bodies = receiver
     block = f"alerts-{uuid.uuid4().hex[:8]}"
+    assert ensure_alerts_in(dict(os.environ), block) == f"alerts off: no notification block named {block!r} " \
+        "(save one, then deploy again)"
     CustomWebhookNotificationBlock(
         name=block, url=url, allow_private_urls=True, json_data={"subject": "{{subject}}", "body": "{{body}}"}
     ).save(block)
-    ids = ensure_alerts(block)
+    # what `pinned-eval deploy` runs, with this process's environment (the session server's API)
+    assert ensure_alerts_in(dict(os.environ), block) == f"alerts: 3 automations notify through block {block!r}"
+    with get_client(sync_client=True) as client:
+        ids = [a.id for kind in ALERT_EVENTS for a in client.read_automations_by_name(f"{AUTOMATION_PREFIX}{kind}")]
     assert len(ids) == len(ALERT_EVENTS)
     # the trigger service loads new automations on its own schedule: a canary skip, sent again
     # until its notification arrives, proves they are live
