@@ -160,6 +160,7 @@ def _events(name: str, resource_prefix: str) -> list[dict[str, object]]:
     return [e.model_dump(mode="json") for e in page.events]
 
 
+@pytest.mark.timeout(480)  # a cold session server and fleet, plus the trigger service's first load
 def test_regression_skip_and_failure_reach_a_webhook_through_real_automations(
     prefect_server: str,
     cpu_fleet: CpuFleet,
