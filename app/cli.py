@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from app.commands import blocks, demo, fleet, history, init, points, snapshot, stack, suite
+from app.commands import best, blocks, demo, fleet, history, init, points, snapshot, stack, suite
 from engine import cli as engine
 
 app = typer.Typer(
@@ -35,6 +35,7 @@ app.command("rerun")(points.rerun)
 app.command("status")(history.status)
 app.command("report")(history.report)
 app.command("janitor")(history.janitor)
+app.command("best")(best.best)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,9 @@ class LocalStack:
             )  # fmt: skip
             if out.returncode != 0:
                 raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+        from app.automations import ensure_alerts_in  # imports Prefect: only when deploying
+
+        ensure_alerts_in(env)  # alert automations through the `pinned-eval-alerts` notification block, if saved
 
     def warm_socket(self) -> Path:  # in a 0700 directory the companion creates (pinned_eval.local_socket)
         return self.home.resolve() / "sockets" / "warm.sock"

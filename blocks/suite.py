@@ -1,7 +1,8 @@
 """Eval suite block: the datasets, sampling and rewards every point of a run is measured on.
 
 The suite is validated by `pinned_eval.suite.EvalSuite` (precedence dataset > defaults >
-fallbacks, as miles); `from_miles_yaml` takes miles' eval YAML (`eval.defaults`, `eval.datasets`;
+fallbacks, as miles); `regression` is the rule of `pinned-eval.point.regressed` (docs/alerts.md);
+`from_miles_yaml` takes miles' eval YAML (`eval.defaults`, `eval.datasets`;
 what it cannot honour is refused by key path, see `pinned_eval.miles_config`).
 """
 
@@ -14,6 +15,7 @@ from prefect.blocks.core import Block
 from pydantic import Field
 
 from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.scoring.regression import RegressionRule
 from pinned_eval.suite import EvalSuite, ResolvedDataset
 
 
@@ -40,6 +42,10 @@ class EvalSuiteBlock(Block):
         gt=0,
         le=7 * 24 * 3600.0,
         description="Deadline of a point once admitted (export to score); past it: `skipped_timed_out`.",
+    )
+    regression: RegressionRule | None = Field(
+        default=None,
+        description="When a measured dataset counts as regressed (event pinned-eval.point.regressed); None: never.",
     )
 
     @classmethod

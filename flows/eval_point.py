@@ -11,6 +11,9 @@ outside the staging block's source roots (`SourceOutsideRoots`, naming `source.p
 `source.hf_base`), refused before any file of it is opened. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
+A point measures the suite's datasets due at its step (`every_n_steps`; all at the final point;
+none due: skipped `no_dataset_due`), and each outcome emits its `pinned-eval.point.*` event
+(`flows.alerts`: measured, regressed, skipped, failed).
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from pydantic import BaseModel, ConfigDict
 
 from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
 from blocks._meta import load_block
+from flows.alerts import emit_failed, emit_measured, emit_skipped
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, flow_run_name
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.source_roots import confine_source
-from pinned_eval.suite import EvalSample, ResolvedDataset
+from pinned_eval.suite import NO_DATASET_DUE, EvalSample, ResolvedDataset
 from tasks.admission import admitted, pin_lock
 from tasks.external import backend_lock_name, evaluate_external
 from tasks.generate import generate, load_datasets
@@ -118,6 +122,7 @@ def eval_point(
             backend=load_block(ExternalBackendBlock, backend_block)
             if posture is Posture.EXTERNAL and backend_block else None,
         )  # fmt: skip
+        cfg, not_due = _due_only(cfg, step, final)  # cadence: the datasets due at this step (all when final)
         with admitted(run, step, policy=policy, final=final, max_in_flight=max_in_flight):
             with point_deadline(cfg.suite.point_timeout_seconds, step):
                 datasets = cfg.suite.resolved()
@@ -131,18 +136,24 @@ def eval_point(
             point = point_metrics(
                 step, lag_steps(run, step), time.monotonic() - started, exported or export_time_seconds
             )
+            point.update({"eval/datasets_run": float(len(per_dataset)), "eval/datasets_not_due": float(len(not_due))})
             sink_errors = log_point(run, step, measured_rows(run, step, per_dataset, point), cfg.sinks)
+            regressed = emit_measured(run, step, per_dataset, cfg.suite.regression, cfg.sinks.jsonl_path)
             summary = ", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items())
+            summary += f" (not due: {', '.join(not_due)})" if not_due else ""
+            summary += f"; regressed: {', '.join(r.dataset for r in regressed)}" if regressed else ""
             return Completed(message=f"measured {flow_run_name(run, step)}: {summary}{sink_note(sink_errors)}")
     except EvalSkipped as skip:
         get_run_logger().warning("skipped %s: %s", flow_run_name(run, step), skip)
         sink_errors = {}
         if sinks_block is not None:
             sink_errors = log_point(run, step, skip_rows(run, step, skip.reason, skip.message), sinks_block)
+        emit_skipped(run, step, skip.reason, skip.message)
         return Completed(name="Skipped", message=f"{skip.reason}: {skip.message}{sink_note(sink_errors)}")
     except Exception as exc:
         if sinks_block is not None:  # else the sinks block itself failed to load: nowhere to record
             log_point(run, step, skip_rows(run, step, SkipReason.CRASHED, repr(exc), failed=True), sinks_block)
+        emit_failed(run, step, repr(exc))
         raise
     finally:
         if store is not None:
@@ -202,6 +213,17 @@ def _measure(
             lora_path=lora,
         )  # fmt: skip
     return score(generations, datasets, cfg.suite.suite, run, step)
+
+
+def _due_only(cfg: PointConfig, step: int, final: bool) -> tuple[PointConfig, list[str]]:
+    """`cfg` with its suite cut to the datasets due at `step`, and the names of those not due;
+    `EvalSkipped(no_dataset_due)` when none is (before any export or fleet work)."""
+    suite = cfg.suite.suite
+    due = suite.due_at(step, final=final)
+    if due is None:
+        raise EvalSkipped(NO_DATASET_DUE, f"step {step}: no dataset is due (every_n_steps)")
+    not_due = [ds.name for ds in suite.datasets if ds not in due.datasets]
+    return cfg.model_copy(update={"suite": cfg.suite.model_copy(update={"suite": due})}), not_due
 
 
 def _owned_but_not_adopted(source: SnapshotSource | None, store: Staging, run: str, step: int) -> Snapshot | None:

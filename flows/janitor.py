@@ -17,9 +17,10 @@ A point quiet for longer than the window is stuck: its run is forced to Crashed 
 why), its owned snapshot is retired (keep-ring), and `skipped_crashed` is recorded at its step
 (JSONL row with the point's flow-run id, the point's artifacts, W&B when configured).
 
-Staging sweep: a snapshot `<run>/step_<n>` that is not `.retired` is retired when every flow
-run of (run, step) is terminal, or when no flow run of it exists and it is older than
-`orphan_age_s` (a trainer's in-loop export whose request may still be spooled). Everything goes
+Staging sweep: a snapshot `<run>/step_<n>` that is not `.retired` is retired when no flow run of
+(run, step) is in flight (`pinned_eval.inflight.in_flight`, the definition admission uses), or
+when no flow run of it exists and it is older than `orphan_age_s` (a trainer's in-loop export
+whose request may still be spooled). Everything goes
 through `Staging.retire`, which is confined to the staging root; `hf` sources are never touched.
 A staging root refused as unsafe (a symlink, another user's, writable by others without the
 sticky bit: `UnsafeStagingRootError`) is swept not at all: the janitor logs it, lists it in
@@ -51,7 +52,7 @@ from pydantic import BaseModel, Field
 
 from blocks import SinksBlock, StagingBlock
 from flows.point_runs import point_flow_runs
-from pinned_eval.inflight import POINT_FLOW, TERMINAL
+from pinned_eval.inflight import POINT_FLOW, in_flight
 from pinned_eval.points import SnapshotSource, flow_run_name
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import SkipReason
@@ -166,7 +167,7 @@ def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live:
                     by_step.setdefault(int(fr.parameters["step"]), []).append(fr)
                 runs_cache[snap.run] = by_step
             runs = runs_cache[snap.run].get(snap.step, [])
-            live_run = any(r.state is None or r.state.type.value not in TERMINAL for r in runs)
+            live_run = any(in_flight(r.state.type.value if r.state else None) for r in runs)
             if (snap.run, snap.step) in live or live_run:
                 report.kept_live.append(snap.path)
                 continue

@@ -51,3 +51,27 @@ def post_events(api_url: str, events: list[dict[str, Any]], *, client: httpx.Cli
     finally:
         if client is None:
             http.close()
+
+
+# ---- outcome events (emitted by the eval-point flow; `flows.alerts`) ---------------------------
+
+EVENT_MEASURED = "pinned-eval.point.measured"
+EVENT_SKIPPED = "pinned-eval.point.skipped"
+EVENT_FAILED = "pinned-eval.point.failed"
+EVENT_REGRESSED = "pinned-eval.point.regressed"
+OUTCOME_EVENTS = (EVENT_MEASURED, EVENT_SKIPPED, EVENT_FAILED, EVENT_REGRESSED)
+POINT_RESOURCE_PREFIX = "pinned-eval.point."
+
+
+def point_resource(run: str, step: int, dataset: str | None = None) -> dict[str, str]:
+    """The resource of an outcome event: one point (`pinned-eval.point.<run>.<step>`) or one
+    dataset of it (`...<step>.<dataset>`), with the run, step and dataset as labels. Its id never
+    matches the `pinned-eval.run.*` trigger of `point.requested`."""
+    name = f"{run}/step-{step}" + (f"/{dataset}" if dataset else "")
+    return {
+        "prefect.resource.id": f"{POINT_RESOURCE_PREFIX}{run}.{step}" + (f".{dataset}" if dataset else ""),
+        "prefect.resource.name": name,
+        "pinned-eval.run": run,
+        "pinned-eval.step": str(step),
+        "pinned-eval.dataset": dataset or "",
+    }

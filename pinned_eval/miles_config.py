@@ -63,6 +63,8 @@ MILES_KEYS = {
     "rm_type": "reward",
     "reward": "reward",
     "max_prompts": "max_prompts",
+    "num_examples": "num_examples",  # prime-rl's name of max_prompts (DatasetSpec maps it)
+    "every_n_steps": "every_n_steps",  # cadence (DatasetSpec)
     "apply_chat_template": "apply_chat_template",
     "apply_chat_template_kwargs": "apply_chat_template_kwargs",
     "system_prompt": "system_prompt",

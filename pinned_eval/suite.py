@@ -11,6 +11,10 @@ Contract:
   keys pinned-eval does not implement are rejected by key path rather than silently ignored.
 - Prompts are rendered for the engine by `pinned_eval.prompts` (chat template, system prompt).
 - Dataset rows are loaded by `pinned_eval.scoring.loader.load_dataset` (re-exported here).
+- Cadence (prime-rl's per-environment `interval` and `num_examples`): a dataset with
+  `every_n_steps: N` is due at the steps that are multiples of N, one without it at every point;
+  the final point runs every dataset (`EvalSuite.due_at`). `num_examples` is accepted as another
+  name of `max_prompts` (the first N prompts); setting both is refused.
 This module imports nothing heavy (no Prefect, no torch).
 """
 
@@ -43,6 +47,7 @@ __all__ = [
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).parent / "datasets"
+NO_DATASET_DUE = "no_dataset_due"  # the skip reason of a point at which no dataset is due
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 
 RewardName = Annotated[str, AfterValidator(check_reward_name)]
@@ -97,6 +102,17 @@ class _SamplingFields(BaseModel):
         default=None, description="Keys set on every row's metadata (miles metadata_overrides)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _num_examples(cls, data: Any) -> Any:
+        """`num_examples` (prime-rl's name) is `max_prompts`."""
+        if isinstance(data, dict) and "num_examples" in data:
+            data = dict(data)
+            if data.get("max_prompts") is not None:
+                raise ValueError("num_examples: another name of max_prompts; set one of them")
+            data["max_prompts"] = data.pop("num_examples")
+        return data
+
 
 class SamplingDefaults(_SamplingFields):
     """Suite-level defaults (miles `eval.defaults`): used where a dataset leaves a field unset."""
@@ -109,6 +125,15 @@ class DatasetSpec(_SamplingFields):
     path: str = Field(
         min_length=1, description="JSONL or Parquet file: absolute, relative, or builtin:<file>."
     )
+    every_n_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Measure at steps that are multiples of N (and the final point); None: every point.",
+    )
+
+    def due(self, step: int, *, final: bool = False) -> bool:
+        """Whether this dataset is measured at `step` (always at the final point)."""
+        return final or self.every_n_steps is None or step % self.every_n_steps == 0
 
 
 class SamplingFallbacks(BaseModel):
@@ -159,6 +184,7 @@ class ResolvedDataset(BaseModel):
     system_prompt: str | None = Field(description="System message of templated prompts.")
     metadata_key: str | None = Field(description="Row key of a metadata object, or None (other columns).")
     metadata_overrides: dict[str, Any] = Field(description="Keys set on every row's metadata.")
+    every_n_steps: int | None = Field(default=None, ge=1, description="Cadence; None: every point.")
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang native `/generate` sampling_params for this dataset."""
@@ -228,8 +254,18 @@ class EvalSuite(BaseModel):
                 if value is None:
                     value = getattr(self.fallbacks, field)
                 values[field] = value
-            out.append(ResolvedDataset(name=ds.name, path=self._resolve_path(ds.path), **values))
+            out.append(
+                ResolvedDataset(
+                    name=ds.name, path=self._resolve_path(ds.path), every_n_steps=ds.every_n_steps, **values
+                )
+            )
         return out
+
+    def due_at(self, step: int, *, final: bool = False) -> EvalSuite | None:
+        """This suite with only the datasets due at `step` (all of them at the final point); None
+        when no dataset is due there."""
+        due = tuple(ds for ds in self.datasets if ds.due(step, final=final))
+        return self.model_copy(update={"datasets": due}) if due else None
 
     def _resolve_path(self, raw: str) -> Path:
         if raw.startswith(BUILTIN_PREFIX):

@@ -28,8 +28,9 @@ Contract:
   recorded is not requested again.
 - `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
   `eval/lag_steps` (latest value wins, sent in the background).
-- `drain(timeout)` delivers the spool and waits for every point to be terminal; `results()`
-  reads each point's outcome from its flow run state (and metrics from the JSONL sink).
+- `drain(timeout)`, `results()`, `best(metric)`, `wait_for(step)`: outcomes, read over REST and
+  from the JSONL sink file (`trainer_integration.outcomes`; network and file I/O: call them
+  between training steps or at the end, never per step — `dispatch` never does).
 - `evaluate_now(step, gate)` (shared posture): closes the producer gate, requests a
   `posture="shared"` point, waits for it, and reopens the gate in `finally`.
 """
@@ -37,7 +38,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -49,23 +49,21 @@ import httpx
 
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind
-from pinned_eval.polling import PollTimeout, poll_until
 from pinned_eval.settings import PrefectApiSettings, get_settings
-from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.confined import UnsafeStagingRootError
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
 from trainer_integration.admission import AdmissionView
 from trainer_integration.admission_sync import AdmissionSync
 from trainer_integration.events import (
-    SINKS_BLOCK_SLUG,
     Delivery,
     event_entry,
     skip_record_entry,
 )
 from trainer_integration.export_target import ExportTarget
+from trainer_integration.outcomes import PointOutcomes
 from trainer_integration.progress import ProgressPublisher
-from trainer_integration.rest import ApiUnavailableError, PointRun, PrefectRest, api_client
-from trainer_integration.results import DispatchResult, PointOutcome, point_outcome
+from trainer_integration.rest import ApiUnavailableError, PrefectRest, api_client
+from trainer_integration.results import DispatchResult, PointOutcome
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry, SpoolWriteError
 
 log = logging.getLogger(__name__)
@@ -84,7 +82,7 @@ class GateLike(Protocol):
     def closed(self, reason: str = "") -> AbstractAsyncContextManager[object]: ...
 
 
-class EvalClient:
+class EvalClient(PointOutcomes):
     def __init__(
         self,
         run: str,
@@ -325,55 +323,6 @@ class EvalClient:
     def flush_progress(self, timeout: float = 10.0) -> None:
         """Block until the latest reported step is published (tests, shutdown)."""
         self.progress.flush(timeout)
-
-    # ---- outcomes ------------------------------------------------------------------------------
-
-    def steps(self) -> list[int]:
-        return sorted(self.admission.steps())
-
-    def results(self) -> list[PointOutcome]:
-        runs = self.rest.point_runs(self.run)
-        rows = self._sink_rows()
-        self.admission.seen({r.step for r in runs})
-        by_step: dict[int, list[PointRun]] = {}
-        for r in runs:
-            by_step.setdefault(r.step, []).append(r)
-        return [point_outcome(s, by_step.get(s, []), rows.get(s, {})) for s in sorted(set(by_step) | set(self.steps()))]
-
-    def _sink_rows(self) -> dict[int, dict[str | None, dict[str, float]]]:
-        data = self.rest.block_data(SINKS_BLOCK_SLUG, self.blocks.sinks)
-        path = (data or {}).get("jsonl_path")
-        out: dict[int, dict[str | None, dict[str, float]]] = {}
-        if path and Path(path).exists():
-            for row in JsonlSink(path).read(self.run):
-                out.setdefault(row.step, {})[row.dataset] = row.metrics
-        return out
-
-    def wait_for(self, step: int, timeout: float) -> PointOutcome:
-        def outcome() -> PointOutcome:
-            return next((o for o in self.results() if o.step == step), PointOutcome(step=step, state="pending"))
-
-        def done() -> PointOutcome | None:
-            o = outcome()
-            return o if o.state != "pending" else None
-
-        with contextlib.suppress(PollTimeout):  # still pending at the timeout: returned as pending
-            return poll_until(done, timeout_s=timeout, interval_s=self.poll_s, what="")
-        return outcome()
-
-    def drain(self, timeout: float) -> list[PointOutcome]:
-        """Deliver the spool, then wait until every point is terminal (pending ones stay `pending`)."""
-        deadline = time.monotonic() + timeout
-        if not self.deliverer.flush(timeout):
-            log.warning("pinned-eval: %d requests of %s still spooled", len(self.spool.pending()), self.run)
-
-        def settled() -> list[PointOutcome] | None:
-            outcomes = self.results()
-            return outcomes if all(o.state != "pending" for o in outcomes) else None
-
-        with contextlib.suppress(PollTimeout):  # pending ones at the timeout stay `pending`
-            return poll_until(settled, timeout_s=max(0.0, deadline - time.monotonic()), interval_s=self.poll_s, what="")
-        return self.results()
 
     async def shared_point(self, step: int, *, final: bool = False, timeout: float = 600.0) -> PointOutcome:
         """Request a `posture="shared"` point at `step` and wait for it (the gate's dispatch_and_wait)."""

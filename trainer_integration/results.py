@@ -3,11 +3,13 @@
 A point's outcome is read from its newest flow run: Completed → measured; Completed named
 "Skipped" → skipped, reason = the message up to its first `:`; Failed/Crashed → reason
 `crashed`; Cancelled; anything not terminal (or no run yet) → pending. Metrics per dataset come
-from the JSONL sink for measured points.
+from the JSONL sink for measured points. `best_of` picks the measured point with the best value
+of a metric (ties: the earliest step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,3 +64,21 @@ def point_outcome(step: int, runs: list[PointRun], rows: dict[str | None, dict[s
         flow_runs=len(runs),
         metrics=metrics,
     )
+
+
+def metric_value(outcome: PointOutcome, metric: str) -> float | None:
+    """`metric` of a measured point (from whichever dataset's row holds it), else None."""
+    if outcome.state != "measured":
+        return None
+    return next((m[metric] for m in outcome.metrics.values() if metric in m), None)
+
+
+def best_of(
+    outcomes: Iterable[PointOutcome], metric: str, *, mode: Literal["max", "min"] = "max"
+) -> PointOutcome | None:
+    """The measured outcome with the best `metric` (ties: the earliest step); None when none has it."""
+    scored = [(v, o) for o in outcomes if (v := metric_value(o, metric)) is not None]
+    if not scored:
+        return None
+    sign = 1.0 if mode == "max" else -1.0
+    return max(scored, key=lambda vo: (sign * vo[0], -vo[1].step))[1]

@@ -8,6 +8,12 @@ Per dataset `ds` (`dataset_metrics`), following miles `log_eval_rollout_data`:
 - `eval/{ds}-pass@k` for k = 1, 2, 4, … ≤ n, only when pass@k is on and n > 1; unbiased
   estimator averaged over prompts; success = reward >= `pass_threshold` (1.0: miles' "reward
   exactly 1" for binary rewards). Every prompt must have exactly n samples.
+- `eval/{ds}/stderr`, `eval/{ds}/ci95_low`, `eval/{ds}/ci95_high` (`statistics`, on by default):
+  standard error and seeded bootstrap 95% interval of the mean over prompts
+  (`pinned_eval.scoring.stats`); the interval with at least one prompt, stderr with at least two.
+- with pass@k on and n > 1, beside pass@k: `eval/{ds}/avg@{n}` (mean reward of the n samples,
+  averaged over prompts), `eval/{ds}-pass^{k}` (all k correct, C(c,k)/C(n,k)) and
+  `eval/{ds}-maj@{k}` (majority vote of the first k samples is correct), k = 1, 2, 4, … ≤ n.
 - `eval/{ds}/response_len/{mean,max,min}` (tokens), when there are samples.
 - `eval/{ds}/weight_version/{mean,min,max}` over the samples' numeric versions and
   `eval/{ds}/weight_version/mixed_version_ratio`, only when some version is numeric (miles' rule).
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 
 from pinned_eval.scoring.passk import mean_pass_at_k, pass_at_k_values
 from pinned_eval.scoring.rewards import RewardFn
+from pinned_eval.scoring.stats import bootstrap_ci, majority_at_k, pass_hat_k, stderr, vote_key
 from pinned_eval.skips import SkipReason, skip_metric
 
 LENGTH_FINISH_REASON = "length"
@@ -79,6 +86,7 @@ def dataset_metrics(
     pass_at_k: bool = False,
     pass_threshold: float = 1.0,
     expected_version: str | None = None,
+    statistics: bool = True,
 ) -> dict[str, float]:
     """The DESIGN §6 metrics of one dataset at one point (see the module docstring for each rule)."""
     key = f"eval/{ds_name}"
@@ -92,6 +100,8 @@ def dataset_metrics(
     if not samples:
         return out
     groups = _groups(samples)
+    if statistics:
+        out.update(_spread(key, groups))
     if pass_at_k:
         out.update(_pass_at_k(key, groups, pass_threshold))
     lens = [s.response_len for s in samples]
@@ -129,8 +139,33 @@ def _pass_at_k(key: str, groups: dict[int, list[ScoredSample]], threshold: float
     n = sizes.pop()
     if n < 2:
         return {}
-    correct = [sum(s.reward is not None and s.reward >= threshold for s in g) for g in groups.values()]
-    return {f"{key}-pass@{k}": mean_pass_at_k(correct, n, k) for k in pass_at_k_values(n)}
+    ok = [[s.reward is not None and s.reward >= threshold for s in sorted(g, key=_replica)] for g in groups.values()]
+    correct = [sum(g) for g in ok]
+    ks = pass_at_k_values(n)
+    out = {f"{key}-pass@{k}": mean_pass_at_k(correct, n, k) for k in ks}
+    out[f"{key}/avg@{n}"] = sum(_prompt_means(groups)) / len(groups)
+    out.update({f"{key}-pass^{k}": sum(pass_hat_k(n, c, k) for c in correct) / len(correct) for k in ks})
+    votes = [[vote_key(s.response) for s in sorted(g, key=_replica)] for g in groups.values()]
+    for k in ks:
+        out[f"{key}-maj@{k}"] = sum(majority_at_k(v, o, k) for v, o in zip(votes, ok, strict=True)) / len(ok)
+    return out
+
+
+def _replica(s: ScoredSample) -> int:
+    return s.sample_index
+
+
+def _prompt_means(groups: dict[int, list[ScoredSample]]) -> list[float]:
+    return [sum(s.reward or 0.0 for s in g) / len(g) for _, g in sorted(groups.items())]
+
+
+def _spread(key: str, groups: dict[int, list[ScoredSample]]) -> dict[str, float]:
+    means = _prompt_means(groups)
+    low, high = bootstrap_ci(means)
+    out = {f"{key}/ci95_low": low, f"{key}/ci95_high": high}
+    if len(means) >= 2:
+        out[f"{key}/stderr"] = stderr(means)
+    return out
 
 
 def _numeric(version: str | None) -> float | None:

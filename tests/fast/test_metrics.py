@@ -15,7 +15,7 @@ from pinned_eval.skips import SkipReason
 
 DESIGN_KEY = re.compile(
     r"^eval/ds(|-truncated_ratio|-none_reward_ratio|-pass@\d+|/response_len/(mean|max|min)"
-    r"|/weight_version/(mean|min|max|mixed_version_ratio))$"
+    r"|/weight_version/(mean|min|max|mixed_version_ratio)|/stderr|/ci95_(low|high)|/avg@\d+|-pass\^\d+|-maj@\d+)$"
 )
 
 
@@ -54,6 +54,14 @@ def test_full_point_has_exactly_the_design_keys() -> None:
         "eval/ds-truncated_ratio": 0.5,
         "eval/ds-pass@1": 0.5,
         "eval/ds-pass@2": 1.0,
+        "eval/ds/avg@2": 0.5,
+        "eval/ds-pass^1": 0.5,
+        "eval/ds-pass^2": 0.0,
+        "eval/ds-maj@1": 0.5,
+        "eval/ds-maj@2": 0.5,
+        "eval/ds/stderr": 0.0,
+        "eval/ds/ci95_low": 0.5,
+        "eval/ds/ci95_high": 0.5,
         "eval/ds/response_len/mean": 5.0,
         "eval/ds/response_len/max": 8.0,
         "eval/ds/response_len/min": 2.0,

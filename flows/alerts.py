@@ -1,0 +1,56 @@
+"""Outcome events of the eval-point flow (docs/alerts.md): what automations notify on.
+
+- `pinned-eval.point.measured`: one per dataset measured, payload = its metrics;
+- `pinned-eval.point.regressed`: one per measured dataset that the suite block's regression rule
+  flags against the run's earlier JSONL rows (payload: `Regression`); none without a rule or
+  without a JSONL sink (logged);
+- `pinned-eval.point.skipped`: one per skipped point (payload: reason, message);
+- `pinned-eval.point.failed`: one per failed point (payload: reason `crashed`, the error).
+Resources: `pinned_eval.events.point_resource` (labels run, step, dataset); Prefect relates each
+event to the flow run that emitted it. Emitting is queued to Prefect's events worker and never
+changes the point's outcome.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger
+from prefect.events import emit_event
+
+from pinned_eval.events import EVENT_FAILED, EVENT_MEASURED, EVENT_REGRESSED, EVENT_SKIPPED, point_resource
+from pinned_eval.scoring.regression import Regression, RegressionRule
+from pinned_eval.sinks import JsonlSink
+
+
+def emit_measured(
+    run: str, step: int, per_dataset: dict[str, dict[str, float]], rule: RegressionRule | None, jsonl_path: str | None
+) -> list[Regression]:
+    """Emit `measured` per dataset, then `regressed` for those the rule flags; returns the regressions."""
+    for ds, metrics in per_dataset.items():
+        emit_event(EVENT_MEASURED, resource=point_resource(run, step, ds), payload={"metrics": metrics})
+    if rule is None:
+        return []
+    if not jsonl_path:
+        get_run_logger().warning("regression rule set but no JSONL sink: no history to compare %s/step-%d", run, step)
+        return []
+    history: dict[str, list[tuple[int, dict[str, float]]]] = {}
+    for row in JsonlSink(jsonl_path).read(run):
+        if row.state == "measured" and row.dataset is not None and row.step != step:
+            history.setdefault(row.dataset, []).append((row.step, row.metrics))
+    found = []
+    for ds, metrics in per_dataset.items():
+        regression = rule.check(ds, step, metrics, history.get(ds, []))
+        if regression is not None:
+            found.append(regression)
+            emit_event(EVENT_REGRESSED, resource=point_resource(run, step, ds), payload=regression.model_dump())
+            get_run_logger().warning("%s/step-%d %s regressed: %s %.4f, %s %.4f at step %d", run, step, ds,
+                                     regression.metric, regression.value, rule.baseline, regression.baseline,
+                                     regression.baseline_step)  # fmt: skip
+    return found
+
+
+def emit_skipped(run: str, step: int, reason: str, message: str) -> None:
+    emit_event(EVENT_SKIPPED, resource=point_resource(run, step), payload={"reason": reason, "message": message[:1000]})
+
+
+def emit_failed(run: str, step: int, error: str) -> None:
+    emit_event(EVENT_FAILED, resource=point_resource(run, step), payload={"reason": "crashed", "error": error[:1000]})
