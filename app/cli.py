@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from app.commands import demo, fleet, history, points, snapshot, stack, suite
+from app.commands import demo, fleet, history, points, results, snapshot, stack, suite
 from engine import cli as engine
 
 app = typer.Typer(
@@ -33,6 +33,8 @@ app.command("rerun")(points.rerun)
 app.command("status")(history.status)
 app.command("report")(history.report)
 app.command("janitor")(history.janitor)
+app.command("compare")(results.compare)
+app.command("rescore")(results.rescore)
 
 
 if __name__ == "__main__":
