@@ -139,3 +139,20 @@ def last_two_compared(history: RunHistory, sinks: str) -> str:
     a, b = steps[-2:]
     flips = compare_samples(store.read(history.run, a, SAMPLES), store.read(history.run, b, SAMPLES))
     return comparison_html(a, b, flips)
+
+
+def demo_summary(run: str, step_a: int, step_b: int, sinks: str = "default", limit: int = 3) -> list[str]:
+    """What the demo prints at its end (call with the Prefect API configured): the flips between
+    two measured steps (at most `limit` listed each way) and where step B's samples file is;
+    [] when the sinks block keeps no samples or a step has none."""
+    from blocks import SinksBlock
+    from blocks._meta import load_block
+    from pinned_eval.results.compare import compare_samples, format_flips
+    from pinned_eval.results.store import SAMPLES
+
+    store = load_block(SinksBlock, sinks).results_store()
+    if store is None or not (store.exists(run, step_a, SAMPLES) and store.exists(run, step_b, SAMPLES)):
+        return []
+    flips = compare_samples(store.read(run, step_a, SAMPLES), store.read(run, step_b, SAMPLES))
+    return [*format_flips(run, step_a, step_b, flips, limit=limit).splitlines(),
+            f"samples of step {step_b}: {store.url(run, step_b, SAMPLES)}"]  # fmt: skip

@@ -75,8 +75,10 @@ def compare_samples(a: pa.Table, b: pa.Table, threshold: float = 1.0) -> list[Da
     return out
 
 
-def format_flips(run: str, step_a: int, step_b: int, flips: list[DatasetFlips], width: int = 60) -> str:
-    """The text `pinned-eval compare` prints."""
+def format_flips(
+    run: str, step_a: int, step_b: int, flips: list[DatasetFlips], width: int = 60, limit: int | None = None
+) -> str:
+    """The text `pinned-eval compare` prints; `limit`: at most this many flips listed each way."""
 
     def cut(text: str) -> str:
         one_line = text.replace("\n", "\\n")
@@ -88,7 +90,7 @@ def format_flips(run: str, step_a: int, step_b: int, flips: list[DatasetFlips], 
                      f"{len(d.gained)} wrong in A and correct in B" + (f", {d.unmatched} unmatched" if d.unmatched
                                                                        else ""))  # fmt: skip
         for title, items in (("correct in A, wrong in B", d.lost), ("wrong in A, correct in B", d.gained)):
-            for f in items:
+            for f in items[:limit]:
                 lines.append(f"  [{title}] #{f.example_id} prompt={cut(f.prompt)!r} label={f.label}")
                 lines.append(f"      A ({f.reward_a:g}): {cut(f.response_a)!r}")
                 lines.append(f"      B ({f.reward_b:g}): {cut(f.response_b)!r}")

@@ -14,6 +14,7 @@ from prefect.artifacts import Artifact
 from typer.testing import CliRunner
 
 from app.cli import app
+from app.commands.results import demo_summary
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.points import history_artifact_key
@@ -130,6 +131,12 @@ def test_points_keep_their_samples_and_compare_shows_the_flips(
     code, text = cli("compare", env.run, "1", "2", "--sinks", env.blocks["sinks"])
     assert code == 0 and f"{len([k for k in lost if k[0] == 'arith_add'])} correct in A and wrong in B" in text
 
+    # what the demo prints at its end: at most `limit` flips listed each way, and the samples file
+    lines = demo_summary(env.run, 1, 2, env.blocks["sinks"], limit=1)
+    assert lines[-1] == f"samples of step 2: {store.url(env.run, 2, SAMPLES)}"
+    assert sum(line.startswith("  [correct in A, wrong in B]") for line in lines) == len({d for d, _ in lost})
+    assert sum(line.startswith("  [wrong in A, correct in B]") for line in lines) == len({d for d, _ in gained})
+
     # the report's comparison section: the last two measured steps
     out_file = tmp_path / "report.html"
     code, out = cli("report", "--run", env.run, "--out", str(out_file), "--sinks", env.blocks["sinks"])
@@ -199,3 +206,39 @@ def test_other_generation_parameters_are_a_cache_miss(
     table = store.read(env.run, 5, GENERATIONS)
     assert table_key(table) not in (None, first)  # rewritten under the new key
     assert {r["dataset"] for r in table.to_pylist()} == {"arith_add", "arith_sub"}
+
+
+def test_a_results_store_that_cannot_be_written_is_a_failed_sink_not_a_failed_point(
+    prefect_server: str, cpu_fleet: CpuFleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    env, _ = results_env(tmp_path, cpu_fleet, SMALL_SUITE)
+    (tmp_path / "results").write_text("a file where the results directory should be")
+    state = run_point(env, 6, tiny_model)
+    assert state.name == "Completed" and "sink failed: results" in state.message
+    for row in JsonlSink(env.jsonl).read(env.run):
+        assert row.state == "measured" and row.metrics["eval/sink_failed_results"] == 1.0
+        assert "results" in row.sink_errors
+
+
+def test_compare_and_rescore_refuse_what_they_cannot_read(prefect_server: str, tmp_path: Path) -> None:
+    from pinned_eval.results.tables import generation_row, generations_table, samples_table
+
+    SinksBlock(jsonl_path=str(tmp_path / "m.jsonl")).save("no-results-store", overwrite=True)
+    code, out = cli("compare", "exp", "1", "2", "--sinks", "no-results-store")
+    assert code == 1 and "sets no results_root" in out
+    sinks = SinksBlock(jsonl_path=str(tmp_path / "m.jsonl"), results_root=str(tmp_path / "results"))
+    sinks.save("a-results-store", overwrite=True)
+    store = sinks.results_store()
+    assert store is not None
+    gen = {"dataset": "elsewhere", "prompt_index": 0, "sample_index": 0, "prompt": "1+1=", "label": "2",
+           "metadata": {}, "response": "2", "response_len": 1, "finish_reason": "stop",
+           "weight_version": "1"}  # fmt: skip
+    store.write("exp", 1, SAMPLES, samples_table([{**generation_row(gen), "reward": 1.0}], key=None))
+    store.write("exp", 1, GENERATIONS, generations_table([generation_row(gen)], "k"))
+    code, out = cli("compare", "exp", "1", "2", "--sinks", "a-results-store")
+    assert code == 1 and "no samples.parquet for exp step 2" in out
+    EvalSuiteBlock(suite=SMALL_SUITE).save("small-suite", overwrite=True)
+    code, out = cli("rescore", "exp", "1", "--suite", "small-suite", "--sinks", "a-results-store")
+    assert code == 2 and "has no dataset elsewhere" in out
+    code, out = cli("rescore", "exp", "3", "--suite", "small-suite", "--sinks", "a-results-store")
+    assert code == 1 and "no generations.parquet for exp step 3" in out
