@@ -121,6 +121,8 @@ def _print(res: dict[str, list[float]], reps: int) -> None:
     ]
     for label, value in rows:
         print(f"{label:58} {value:10.3f}")
+    print("per repetition (s): " + "; ".join(f"{k} " + " ".join(f"{v:.2f}" for v in res[k])
+                                           for k in ("plain", "kept", "cached", "rescore")))  # fmt: skip
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
