@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from app.commands import best, blocks, demo, fleet, history, init, points, snapshot, stack, suite
+from app.commands import best, blocks, demo, fleet, history, init, points, results, snapshot, stack, suite
 from engine import cli as engine
 
 app = typer.Typer(
@@ -36,6 +36,8 @@ app.command("status")(history.status)
 app.command("report")(history.report)
 app.command("janitor")(history.janitor)
 app.command("best")(best.best)
+app.command("compare")(results.compare)
+app.command("rescore")(results.rescore)
 
 
 if __name__ == "__main__":

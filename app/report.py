@@ -20,6 +20,8 @@ from app.history import PointHistory, RunHistory
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from pinned_eval.results.compare import DatasetFlips
+
 FAILED = ("failed", "crashed", "cancelled")
 INFLIGHT = ("running", "pending", "scheduled")
 
@@ -126,8 +128,31 @@ def png_bytes(history: RunHistory) -> bytes:
     return buf.getvalue()
 
 
-def html_report(history: RunHistory) -> str:
-    """A self-contained page: the PNG embedded as base64, then the status table."""
+def comparison_html(step_a: int, step_b: int, flips: list[DatasetFlips]) -> str:
+    """The report's comparison section: per dataset, the examples that flipped each way between
+    steps A and B, with prompt, label and both responses (every text escaped)."""
+    parts = [f"<h2 id='compare'>Step {step_a} (A) vs step {step_b} (B): examples that flipped</h2>"]
+    for d in flips:
+        parts.append(f"<h3>{html.escape(d.dataset)}: {len(d.lost)} correct in A, wrong in B; "
+                     f"{len(d.gained)} wrong in A, correct in B ({d.examples} examples)</h3>")  # fmt: skip
+        for kind, title, items in (("lost", "correct in A, wrong in B", d.lost),
+                                   ("gained", "wrong in A, correct in B", d.gained)):  # fmt: skip
+            if not items:
+                continue
+            rows = "".join(
+                f"<tr><td>{f.example_id}</td><td>{html.escape(f.prompt)}</td><td>{html.escape(f.label)}</td>"
+                f"<td>{html.escape(f.response_a)}</td><td>{html.escape(f.response_b)}</td></tr>"
+                for f in items
+            )
+            parts.append(f"<table class='flips' data-flip='{kind}'>"
+                         f"<caption>{title}</caption><thead><tr><th>example</th><th>prompt</th><th>label</th>"
+                         f"<th>response A</th><th>response B</th></tr></thead><tbody>{rows}</tbody></table>")
+    return "".join(parts)
+
+
+def html_report(history: RunHistory, comparison: str = "") -> str:
+    """A self-contained page: the PNG embedded as base64, then the status table, then
+    `comparison` (`comparison_html`) when given."""
     png = base64.b64encode(png_bytes(history)).decode()
     rows = status_rows(history)
     headers = list(rows[0]) if rows else []
@@ -145,17 +170,17 @@ def html_report(history: RunHistory) -> str:
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
         "tr.skipped{color:#555}tr.failed,tr.crashed{color:#b00}</style></head><body>"
         f"<h1>{title}</h1><img alt='score per dataset vs step' src='data:image/png;base64,{png}'>"
-        f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></body></html>"
+        f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{comparison}</body></html>"
     )
 
 
-def write_report(history: RunHistory, out: Path) -> Path:
-    """Write `out` as PNG or HTML by its suffix."""
+def write_report(history: RunHistory, out: Path, comparison: str = "") -> Path:
+    """Write `out` as PNG or HTML by its suffix (the HTML with `comparison` after the table)."""
     suffix = out.suffix.lower()
     if suffix == ".png":
         out.write_bytes(png_bytes(history))
     elif suffix in (".html", ".htm"):
-        out.write_text(html_report(history))
+        out.write_text(html_report(history, comparison))
     else:
         raise ValueError(f"out: {out.name!r} must end in .png or .html")
     return out

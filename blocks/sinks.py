@@ -2,7 +2,9 @@
 
 JSONL rows are keyed (run, step, dataset) and a rerun replaces its rows; W&B rows go beside the
 training run without resuming it (a dedicated eval run grouped with it, or shared mode into it)
-and are plotted against `eval/step`.
+and are plotted against `eval/step`. With `results_root`, every measured point's samples and
+generations go there as Parquet (`pinned_eval.results`; docs/results.md), and W&B gets a table of
+`wandb_samples_per_dataset` samples per dataset.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from prefect.blocks.core import Block
 from pydantic import Field, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.results.store import ResultsStore
 from pinned_eval.sinks import WandbWriter
+from pinned_eval.snapshot.layout import s3_storage_options
 
 
 class SinksBlock(Block):
@@ -50,6 +54,26 @@ class SinksBlock(Block):
         default="offline", description="W&B mode; `offline` writes locally for a later `wandb sync`."
     )
     wandb_dir: str | None = Field(default=None, description="Directory for W&B's local files.")
+    results_root: str | None = Field(
+        default=None,
+        description=(
+            "Results store: a local directory or `s3://bucket/prefix` for each measured point's samples and "
+            "generations (Parquet, `<run>/step_<step:08d>/`); unset: no samples kept, no generation cache."
+        ),
+    )
+    results_endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint of an `s3://` results root (credentials: the environment's)."
+    )
+    wandb_samples_per_dataset: int = Field(
+        default=0, ge=0, le=1000, description="Samples per dataset in the point's W&B table (needs results_root)."
+    )
+
+    def results_store(self) -> ResultsStore | None:
+        """The results store, or None when `results_root` is unset."""
+        if not self.results_root:
+            return None
+        remote = self.results_root.startswith(("s3://", "s3a://"))
+        return ResultsStore(self.results_root, s3_storage_options(self.results_endpoint_url) if remote else None)
 
     @model_validator(mode="after")
     def _shared_is_online(self) -> SinksBlock:

@@ -34,6 +34,7 @@ from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock,
 from blocks._meta import load_block
 from flows.alerts import emit_failed, emit_measured, emit_skipped
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, flow_run_name
+from pinned_eval.results.cache import generation_key, snapshot_digest
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped, SkipReason
@@ -45,6 +46,7 @@ from tasks.external import backend_lock_name, evaluate_external
 from tasks.generate import generate, load_datasets
 from tasks.log import lag_steps, log_point, measured_rows, sink_note, skip_rows
 from tasks.pin import pin_fleet, verify_shared
+from tasks.results import cached_generations, store_generations
 from tasks.score import score
 from tasks.snapshots import Snapshot, check_snapshot_task, export_snapshot, retire_snapshot
 
@@ -191,7 +193,10 @@ def _measure(
     run: str,
     step: int,
 ) -> dict[str, dict[str, float]]:
-    """Metrics per dataset of weight version `str(step)`: fleet (pin), shared (verify) or external."""
+    """Metrics per dataset of weight version `str(step)`: fleet (pin), shared (verify) or external.
+
+    With a results store (fleet posture), generations stored under this point's cache key are
+    reused — no pin, no request — and only scored; fresh ones are stored before scoring."""
     version = str(step)
     if posture is Posture.EXTERNAL:
         assert snapshot is not None and cfg.backend is not None  # PointRequest: external needs backend_block
@@ -199,20 +204,29 @@ def _measure(
         with pin_lock(backend_lock_name(backend, options)):
             return evaluate_external(backend, str(snapshot.local_path), run, step, cfg.suite.suite, options)
     lora = version if snapshot is not None and snapshot.adapter else None  # adapter mode: name it everywhere
-    with pin_lock(cfg.fleet.lock_name):
-        if posture is Posture.FLEET:
-            assert snapshot is not None
-            pin_fleet(cfg.fleet, str(snapshot.local_path), version, snapshot.lora_base)
-        else:
-            verify_shared(cfg.fleet, version)
-        # chat templates come from the pinned snapshot's tokenizer (a LoRA adapter: its base's);
-        # shared: the engines' model
-        tokenizer_dir = cfg.fleet.model_path if snapshot is None else snapshot.lora_base or str(snapshot.local_path)
-        generations = generate(
-            cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", tokenizer_dir=tokenizer_dir,
-            lora_path=lora,
-        )  # fmt: skip
-    return score(generations, datasets, cfg.suite.suite, run, step)
+    # chat templates come from the pinned snapshot's tokenizer (a LoRA adapter: its base's);
+    # shared: the engines' model
+    tokenizer_dir = cfg.fleet.model_path if snapshot is None else snapshot.lora_base or str(snapshot.local_path)
+    results = cfg.sinks.results_store()
+    key = None  # generation cache (tasks/results.py): fleet posture only, keyed by the snapshot's digest
+    if results is not None and posture is Posture.FLEET and snapshot is not None:
+        key = generation_key(snapshot_digest(str(snapshot.local_path)), version, datasets, rows, tokenizer_dir,
+                             snapshot.lora_base)  # fmt: skip
+    generations = cached_generations(results, run, step, key) if results is not None and key else None
+    if generations is None:
+        with pin_lock(cfg.fleet.lock_name):
+            if posture is Posture.FLEET:
+                assert snapshot is not None
+                pin_fleet(cfg.fleet, str(snapshot.local_path), version, snapshot.lora_base)
+            else:
+                verify_shared(cfg.fleet, version)
+            generations = generate(
+                cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", tokenizer_dir=tokenizer_dir,
+                lora_path=lora,
+            )  # fmt: skip
+        if results is not None and key:
+            store_generations(results, run, step, key, generations)
+    return score(generations, datasets, cfg.suite.suite, run, step, results, key)
 
 
 def _due_only(cfg: PointConfig, step: int, final: bool) -> tuple[PointConfig, list[str]]:

@@ -21,7 +21,7 @@ import fcntl
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -147,8 +147,11 @@ def log_to_wandb(
     directory: str | None,
     writer: WandbWriter = "eval_run",
     label: str = "pinned-eval",
+    tables: Mapping[str, tuple[list[str], list[list[Any]]]] | None = None,
 ) -> None:
     """Log one point's metrics beside the training run `run_id`, on the `eval/step` axis.
+
+    `tables`: W&B tables logged with the metrics, name -> (columns, rows) (the point's samples).
 
     `eval_run`: into the dedicated run `wandb_eval_run_id(run_id)` (`group=run_id`,
     `job_type="eval"`), created by the first point and resumed by id by later ones; the training
@@ -177,6 +180,9 @@ def log_to_wandb(
     try:
         wb.define_metric("eval/step")
         wb.define_metric("eval/*", step_metric="eval/step")
-        wb.log(metrics)
+        logged: dict[str, Any] = dict(metrics)
+        for name, (columns, data) in (tables or {}).items():
+            logged[name] = wandb.Table(columns=list[str | int](columns), data=data)
+        wb.log(logged)
     finally:
         wb.finish()

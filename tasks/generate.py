@@ -46,6 +46,7 @@ class Generation(BaseModel):
     response_len: int
     finish_reason: str | None
     weight_version: str | None
+    prompt_tokens: int | None = None
 
 
 class _Progress:
@@ -110,6 +111,7 @@ async def _one(
         metadata=sample.metadata,
         response=result.text,
         response_len=result.meta_info.completion_tokens,
+        prompt_tokens=result.meta_info.prompt_tokens,
         finish_reason=result.finish_type,
         weight_version=result.meta_info.weight_version,
     )

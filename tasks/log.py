@@ -37,6 +37,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 
 from blocks.sinks import SinksBlock
 from pinned_eval.points import history_artifact_key, progress_variable_name
+from pinned_eval.results.store import SAMPLES
 from pinned_eval.scoring.metrics import skip_metrics
 from pinned_eval.sinks import JsonlSink, MetricRow, log_to_wandb, wandb_eval_run_id
 from tasks.admission import exclusive
@@ -94,7 +95,7 @@ def _update_history(run: str, rows: list[MetricRow], jsonl_path: str | None) -> 
 
 
 SINK_ATTEMPTS = 3  # per sink after the JSONL file; waits 0.5 s, 1 s between attempts
-SinkName = str  # "wandb" | "artifacts" | "samples"
+SinkName = str  # "wandb" | "artifacts" | "samples" | "results"
 SINK_FAILED = "eval/sink_failed_"
 
 
@@ -113,13 +114,15 @@ def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> 
     if sinks.wandb_project and sinks.wandb_mode != "disabled":
         project = sinks.wandb_project
         attempts["wandb"] = attempt_sink(lambda: _log_wandb(run, step, rows, sinks, project))
-    attempts["artifacts"] = attempt_sink(lambda: _log_artifacts(run, step, rows, sinks.jsonl_path))
+    attempts["artifacts"] = attempt_sink(lambda: _log_artifacts(run, step, rows, sinks))
     errors = {sink: error for sink, error in attempts.items() if error}
     for sink, error in errors.items():
         logger.warning("sink %s failed for %s/step-%d after %d attempts; the point keeps its outcome: %s",
                        sink, run, step, SINK_ATTEMPTS, error)
     if any(f"{SINK_FAILED}samples" in r.metrics for r in rows):  # already logged by the score task
         errors["samples"] = "per-sample artifact not written (the score task's WARNING log has the error)"
+    if any(f"{SINK_FAILED}results" in r.metrics for r in rows):  # likewise
+        errors["results"] = "samples file not written (the score task's WARNING log has the error)"
     if errors and jsonl is not None:
         jsonl.write_point([_with_sink_errors(r, errors) for r in rows])
     logger.info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
@@ -155,14 +158,19 @@ def _with_sink_errors(row: MetricRow, errors: dict[SinkName, str]) -> MetricRow:
     return row.model_copy(update={"sink_errors": dict(errors), "metrics": {**row.metrics, **failed}})
 
 
-def _log_artifacts(run: str, step: int, rows: list[MetricRow], jsonl_path: str | None) -> None:
+def _log_artifacts(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> None:
+    """The point's table; its description links the samples file when the point wrote one."""
     key = f"{history_artifact_key(run)}-step-{step}"
+    description = f"eval point {run}/step-{step}"
+    store = sinks.results_store()
+    if store is not None and rows[0].state == "measured" and store.exists(run, step, SAMPLES):
+        description += f"; samples: [{store.url(run, step, SAMPLES)}]({store.link(run, step, SAMPLES)})"
     create_table_artifact(
         table=[{"dataset": r.dataset or "", "state": r.state, "reason": r.reason or "", **r.metrics} for r in rows],
         key=key,
-        description=f"eval point {run}/step-{step}",
+        description=description,
     )
-    _update_history(run, rows, jsonl_path)
+    _update_history(run, rows, sinks.jsonl_path)
 
 
 def _log_wandb(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock, project: str) -> None:
@@ -180,12 +188,33 @@ def _log_wandb(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock, pr
         "directory": sinks.wandb_dir,
         "writer": sinks.wandb_writer,
         "label": f"pinned-eval-{run}-step-{step}",
+        "tables": _wandb_sample_tables(run, step, sinks) if rows[0].state == "measured" else {},
     }
     if sinks.wandb_writer == "shared":
         log_to_wandb(merged, **kwargs)
         return
     with exclusive(f"wandb-{wandb_eval_run_id(training_run)}"):
         log_to_wandb(merged, **kwargs)
+
+
+WANDB_SAMPLE_COLUMNS = ("example_id", "sample_index", "prompt", "response", "reward", "finish_reason",
+                        "completion_tokens", "weight_version")  # fmt: skip
+
+
+def _wandb_sample_tables(run: str, step: int, sinks: SinksBlock) -> dict[str, tuple[list[str], list[list[Any]]]]:
+    """`eval/samples/<ds>`: the first `wandb_samples_per_dataset` samples of each dataset (by example id,
+    then sample index) from the point's samples file; none without a results store or a count."""
+    store = sinks.results_store()
+    n = sinks.wandb_samples_per_dataset
+    if store is None or n == 0 or not store.exists(run, step, SAMPLES):
+        return {}
+    tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
+    rows = sorted(store.read(run, step, SAMPLES).to_pylist(), key=lambda r: (r["example_id"], r["sample_index"]))
+    for r in rows:
+        _, data = tables.setdefault(f"eval/samples/{r['dataset']}", (list(WANDB_SAMPLE_COLUMNS), []))
+        if len(data) < n:
+            data.append([r[c] for c in WANDB_SAMPLE_COLUMNS])
+    return tables
 
 
 def measured_rows(

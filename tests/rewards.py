@@ -33,3 +33,11 @@ def slow(response: str, label: str) -> float:
 
     time.sleep(1.0)
     return float(response.strip() == label.strip())
+
+
+def text_parity(response: str, label: str) -> float:
+    """1.0 when the response's sha256 starts with an even byte: a reward that two different
+    snapshots' generations flip both ways (the comparison tests), deterministic across processes."""
+    import hashlib
+
+    return float(hashlib.sha256(response.encode()).digest()[0] % 2 == 0)

@@ -94,3 +94,24 @@ def history_rows(wandb_dir: Path) -> list[dict[str, Any]]:
             row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
             rows.append({k: v for k, v in row.items() if not k.startswith("_")})
     return rows
+
+
+def logged_tables(wandb_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every logged W&B table, history key -> {"columns": [...], "data": [[...], ...]} (from the
+    table file the history row references, under the offline run's `files/`)."""
+    out = {}
+    for run_dir in sorted(Path(wandb_dir).glob("wandb/offline-run-*")):
+        for rec in _parsed_file(run_dir):
+            if rec.WhichOneof("record_type") != "history":
+                continue
+            for i in rec.history.item:  # a table is flattened: (name, "path") -> media/table/....table.json
+                keys = list(i.nested_key)
+                value = json.loads(i.value_json)
+                if len(keys) == 2 and keys[1] == "path" and str(value).endswith(".table.json"):
+                    out[keys[0]] = json.loads((run_dir / "files" / value).read_text())
+    return out
+
+
+def _parsed_file(run_dir: Path) -> list[Any]:
+    _finished_files(run_dir.parent.parent)  # waits for every run file to end with its exit record
+    return [r for p in sorted(run_dir.glob("run-*.wandb")) for r in _file_records(p)]

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from app.commands.points import RunOpt, fail, prefect_client
+from app.commands.results import last_two_compared
 
 
 def status(
@@ -48,6 +49,11 @@ def status(
 def report(
     run: RunOpt,
     out: Annotated[Path, typer.Option("--out", help="FILE.png or FILE.html (PNG embedded + table).")],
+    sinks: Annotated[
+        str | None,
+        typer.Option("--sinks", help="Sinks block with a results store: the HTML adds the flips between the "
+                     "last two measured steps (`pinned-eval compare`)."),
+    ] = None,
 ) -> None:
     """Plot score per dataset vs step; skipped and failed steps are marked with their reason."""
     from app.history import read_history  # prefect: slow import; `pinned-eval --help` stays fast
@@ -57,10 +63,11 @@ def report(
         fail(f"--out: {out.name!r} must end in .png or .html", 2)
     with prefect_client() as client:
         history = read_history(run, client=client)
-    if not history.points:
-        fail(f"no eval point of run {run!r} is recorded")
+        if not history.points:
+            fail(f"no eval point of run {run!r} is recorded")
+        comparison = last_two_compared(history, sinks) if sinks else ""  # app/commands/results.py
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_report(history, out)
+    write_report(history, out, comparison)
     typer.echo(f"wrote {out} ({len(history.points)} steps, datasets: {', '.join(history.datasets) or 'none'})")
 
 

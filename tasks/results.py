@@ -1,0 +1,84 @@
+"""Results tasks: the generation cache around the fleet, and the point's samples file.
+
+Contract:
+- `cached_generations` returns the generations stored for (run, step) when they were written under
+  the same cache key (`pinned_eval.results.cache.generation_key`), else None; a point that gets
+  them skips pin and generate (no fleet lock, no request) and only scores and logs;
+- `store_generations` writes them right after generation, before scoring, so a point whose
+  scoring or logging fails leaves them for its rerun; a failure to write is logged (WARNING) and
+  the point goes on uncached;
+- `write_samples` (called by the score task) writes the scored samples and links them from the
+  point's `samples-file` link artifact; it is a sink like the others (`attempt_sink`; a failure
+  marks the rows `eval/sink_failed_results: 1`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact
+from prefect.cache_policies import NO_CACHE
+
+from pinned_eval.points import history_artifact_key
+from pinned_eval.results.store import GENERATIONS, SAMPLES, ResultsStore
+from pinned_eval.results.tables import generation_fields, generation_row, generations_table, samples_table, table_key
+from tasks.generate import Generation
+
+
+def samples_link_key(run: str, step: int) -> str:
+    """The link artifact pointing at a point's samples file."""
+    return f"{history_artifact_key(run)}-step-{step}-samples-file"
+
+
+@task(cache_policy=NO_CACHE, task_run_name="cached-generations-{step}")
+def cached_generations(store: ResultsStore, run: str, step: int, key: str) -> list[Generation] | None:
+    if not store.exists(run, step, GENERATIONS):
+        return None
+    table = store.read(run, step, GENERATIONS)
+    if table_key(table) != key:
+        get_run_logger().info("stored generations of %s/step-%d have another key; generating anew", run, step)
+        return None
+    gens = [Generation(**generation_fields(r)) for r in table.to_pylist()]
+    get_run_logger().info("reusing %d stored generations of %s/step-%d (key %s)", len(gens), run, step, key[:12])
+    return gens
+
+
+@task(cache_policy=NO_CACHE, task_run_name="store-generations-{step}")
+def store_generations(store: ResultsStore, run: str, step: int, key: str, generations: list[Generation]) -> None:
+    try:
+        table = generations_table((generation_row(g.model_dump()) for g in generations), key)
+        store.write(run, step, GENERATIONS, table)
+    except Exception as exc:  # the cache is an optimisation: the point goes on, uncached, and says so
+        get_run_logger().warning("generations of %s/step-%d not stored (a rerun will regenerate): %s: %s",
+                                 run, step, type(exc).__name__, exc)  # fmt: skip
+
+
+def write_samples(
+    store: ResultsStore,
+    run: str,
+    step: int,
+    generations: Sequence[Generation],
+    rewards: Mapping[tuple[str, int, int], float | None],
+    key: str | None,
+    *,
+    rescored: bool = False,
+    link: bool = True,
+) -> str:
+    """Write the samples file of (run, step); returns its url. `rewards` by (dataset, example, sample).
+    `link`: create the point's link artifact (inside a flow or task run; a rescore keeps the point's)."""
+    rows = []
+    for g in generations:
+        row = generation_row(g.model_dump())
+        row["reward"] = rewards[g.dataset, g.prompt_index, g.sample_index]
+        rows.append(row)
+    url = store.write(run, step, SAMPLES, samples_table(rows, key=key, rescored=rescored))
+    if not link:
+        return url
+    create_link_artifact(
+        link=store.link(run, step, SAMPLES),
+        link_text=f"samples of {run}/step-{step}",
+        key=samples_link_key(run, step),
+        description=f"per-sample generations and rewards of eval point {run}/step-{step} (Parquet)",
+    )
+    return url
