@@ -1,7 +1,11 @@
 """The `pinned-eval` command line. Every verb lives in `app/commands/<family>.py`;
 the engine's verbs come from `engine.cli` (the engine's own entry is `python -m engine`).
 
-Exit codes: 0 success; 1 the operation failed (message on stderr); 2 bad usage or input.
+Exit codes: 0 success; 1 the operation failed (message on stderr); 2 bad usage or input (refused
+before anything is sent); `request --wait` / `rerun --wait`: 3 the point ended Skipped, 4 it ended
+Failed, Crashed or Cancelled (`app.commands.points.EXIT_SKIPPED`, `EXIT_FAILED`; docs/cli.md).
+Every verb finds the Prefect API in the home (`PINNED_EVAL_HOME`: the URL `server up` recorded in
+`stack.json`, the credential in `api-auth`); an exported `PREFECT_API_URL` wins.
 Heavy imports (torch, transformers, prefect) happen inside the verbs, so `--help` is fast.
 """
 

@@ -57,6 +57,7 @@ class StackState(BaseModel):
     worker_pid: int | None = None
     warm_pid: int | None = None
     backend_host_pid: int | None = None
+    port: int | None = None  # the server's last port, kept by `down`: the next `server_up` reuses it when free
 
 
 class LocalStack:
@@ -105,8 +106,9 @@ class LocalStack:
         if st.api_url and st.server_pid and _healthy(st.api_url):
             return ServerProcess(st.server_pid, st.api_url, Path(str(st.prefect_home)), auth)
         prefect_home = (self.home / "prefect").resolve()
-        server = start_server(prefect_home, port if port is not None else _preferred_port(), auth_string=auth)
-        self._save(st.model_copy(update={"server_pid": server.pid, "api_url": server.api_url,
+        port = port if port is not None else _preferred_port(st.port)
+        server = start_server(prefect_home, port, auth_string=auth)
+        self._save(st.model_copy(update={"server_pid": server.pid, "api_url": server.api_url, "port": port,
                                          "prefect_home": str(prefect_home)}))  # fmt: skip
         return server
 
@@ -208,19 +210,23 @@ class LocalStack:
         if st.server_pid and pid_alive(st.server_pid):
             stop_server(st.server_pid)
             stopped.append(f"server {st.server_pid}")
-        self._save(StackState(prefect_home=st.prefect_home))
+        self._save(StackState(prefect_home=st.prefect_home, port=st.port))
         return stopped
 
 
-def _preferred_port() -> int:
-    """4200 (Prefect's usual port) when it is free, else any free port."""
+def _preferred_port(recorded: int | None = None) -> int:
+    """The home's recorded port when it is free (the UI address stays the same across restarts),
+    else 4200 (Prefect's usual port) when free, else any free port."""
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", 4200))
-            return 4200
-        except OSError:
-            return free_port()
+    for port in dict.fromkeys(p for p in (recorded, 4200) if p):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    return free_port()
 
 
 def _healthy(api_url: str) -> bool:

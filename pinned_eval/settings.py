@@ -26,7 +26,8 @@ class Settings(BaseSettings):
 
     home: Path = Field(
         default=Path(".pinned-eval"),
-        description="State directory: PID files, logs, local Prefect home, tiny models, staging.",
+        description="The one home of every verb (mode 0700): the server's address and port (stack.json), its "
+        "API credential (api-auth), PID files, logs, the local Prefect home and database, the demo's files (demo/).",
     )
     load_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one weight load on one engine.")
     demo_hold: bool = Field(

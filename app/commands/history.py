@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from app.commands.points import RunOpt, fail, prefect_client
 from app.commands.results import last_two_compared
+
+if TYPE_CHECKING:
+    from app.history import RunHistory
 
 
 def status(
@@ -21,7 +24,8 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the full history as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every attempt of every step.")] = False,
 ) -> None:
-    """Table of a run's steps: state, reason, score per dataset, weight version, lag, attempts."""
+    """Table of a run's steps: state, reason, score per dataset, weight version, lag, attempts; then
+    the reason and message of every skipped or failed step."""
     from app.history import read_history  # prefect: slow import; `pinned-eval --help` stays fast
     from app.report import (  # prefect: slow import; `pinned-eval --help` stays fast
         attempts_lines,
@@ -44,6 +48,20 @@ def status(
             typer.echo(f"step {p.step}:")
             for line in attempts_lines(p):
                 typer.echo(line)
+    for line in outcome_lines(history):
+        typer.echo(line)
+
+
+def outcome_lines(history: RunHistory) -> list[str]:
+    """One line per step that did not measure and has ended (skipped, failed, crashed, cancelled):
+    `step N: <outcome> <reason>: <state message>` — why, without `-v`."""
+    lines = []
+    for p in history.points:
+        if p.outcome not in ("skipped", "failed", "crashed", "cancelled"):
+            continue
+        message = (p.message or "").removeprefix(f"{p.reason}:").strip() if p.reason else (p.message or "")
+        lines.append(f"step {p.step}: {p.outcome} {p.reason or '-'}" + (f": {message}" if message else ""))
+    return lines
 
 
 def report(

@@ -1,7 +1,9 @@
 """`pinned-eval request|rerun`: ask for an eval point, or run a finished one again.
 
-- `request` sends the point's `pinned-eval.point.requested` event (deterministic id: sending the
-  same point twice is one flow run); `--force-new` creates a new deployment run instead.
+- `request` checks what it can before sending anything (a local source path exists, the named
+  blocks are saved, an existing point of the step has the same source), then sends the point's
+  `pinned-eval.point.requested` event (deterministic id: sending the same point twice is one flow
+  run); `--force-new` creates a fresh deployment run of the step instead.
 - `rerun` finds the step's latest flow run: Failed/Crashed/Cancelled deployment runs are retried
   in place (state Scheduled "AwaitingRetry", forced: same id, `run_count + 1`, like the UI's Retry
   button); Skipped points (and, with `--force`, measured ones) get a new deployment run with the
@@ -9,8 +11,10 @@
   staging and complete (it is taken out of the keep-ring so no other point deletes it meanwhile);
   megatron/state_dict/hf sources must still exist (the flow re-exports them).
 
-Exit codes: 0 done (with `--wait`: the point ended, whatever its state); 1 the operation failed
-(no such point, still in flight, snapshot gone, Prefect unreachable, wait timed out); 2 bad input.
+Exit codes: 0 done (with `--wait`: the point was measured); 1 the operation failed (no such point,
+still in flight, snapshot gone, Prefect unreachable, wait timed out); 2 bad input, refused before
+anything is sent (bad option, missing local path, unsaved block, existing step with another
+source); with `--wait`, 3 the point ended Skipped, 4 it ended Failed, Crashed or Cancelled.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 
+from app.commands.errors import human_errors
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.inflight import RETRYABLE, TERMINAL
 from pinned_eval.points import PointRequest, SnapshotSource, SourceKind, flow_run_name, outcome_of
@@ -40,6 +45,16 @@ if TYPE_CHECKING:
     from app.history import FlowRunRecord
 
 DEFAULT_DEPLOYMENT = "eval-point/eval-point"
+SOURCE_KINDS = ", ".join(k.value for k in SourceKind)  # --help and the errors say the same
+# `request --wait` / `rerun --wait` exit codes by the point's outcome (0: measured)
+EXIT_SKIPPED = 3
+EXIT_FAILED = 4
+# the flag naming each block a point loads, and that block's type slug
+BLOCK_FLAGS = {"suite": "pinned-eval-suite", "fleet": "pinned-eval-fleet", "staging": "pinned-eval-staging",
+               "sinks": "pinned-eval-sinks"}  # fmt: skip
+SOURCE_FLAGS = {"kind": "--source", "path": "--source", "hf_base": "--hf-base", "source": "--source"}
+REQUEST_FLAGS = {**SOURCE_FLAGS, "run": "--run", "step": "--step", "max_in_flight": "--max-in-flight",
+                 "policy": "--policy", "posture": "--posture", **{b: f"--{b}" for b in BLOCK_FLAGS}}  # fmt: skip
 
 RunOpt = Annotated[str, typer.Option("--run", help="Training run name, e.g. exp42.")]
 StepOpt = Annotated[int, typer.Option("--step", min=0, help="Training step of the point.")]
@@ -90,20 +105,52 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
               get_client(sync_client=True) as client):  # fmt: skip
             yield client
     except httpx.TransportError as exc:
-        fail(f"cannot reach the Prefect API at {url}: {exc}")
+        hint = f" (the server {stack.home} recorded: is it up? `pinned-eval server up`)" if url == recorded else ""
+        fail(f"cannot reach the Prefect API at {url}{hint}: {exc}")
 
 
 def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
-    """`KIND:PATH` (e.g. `staged:/stage/exp42/step_00000120`, `hf:s3://b/p`) → a validated source."""
+    """`KIND:PATH` (e.g. `staged:/stage/exp42/step_00000120`, `hf:s3://b/p`) → a validated source
+    (exit 2 naming the flag when it is not one)."""
 
     kind, sep, path = text.partition(":")
-    if not sep or not path:
-        raise typer.BadParameter(f"{text!r} must be KIND:PATH with KIND one of hf, staged, megatron, state_dict")
+    if not sep or not path or kind not in {k.value for k in SourceKind}:
+        fail(f"--source: {text!r} must be KIND:PATH with KIND one of {SOURCE_KINDS}", 2)
     try:
         return SnapshotSource(kind=kind, path=path, hf_base=hf_base)  # type: ignore[arg-type]
     except ValidationError as exc:
-        raise typer.BadParameter("; ".join(f"{'.'.join(map(str, e['loc'])) or 'source'}: {e['msg']}"
-                                           for e in exc.errors())) from exc
+        fail(human_errors(exc, SOURCE_FLAGS), 2)
+
+
+def check_local_paths(source: SnapshotSource) -> None:
+    """Exit 2 when a local path of `source` does not exist (URLs are the worker's to read)."""
+    for flag, path in (("--source", source.path), ("--hf-base", source.hf_base)):
+        if path and "://" not in path and not os.path.exists(path):
+            fail(f"{flag}: {path} does not exist; nothing was sent", 2)
+
+
+def check_blocks(client: SyncPrefectClient, blocks: BlockNames) -> None:
+    """Exit 2, naming every flag whose block is not saved on the server, before anything is sent."""
+    from prefect.exceptions import ObjectNotFound  # prefect: slow import; `pinned-eval --help` stays fast
+
+    missing = []
+    for field, slug in BLOCK_FLAGS.items():
+        name = getattr(blocks, field)
+        try:
+            client.read_block_document_by_name(name, slug, include_secrets=False)
+        except ObjectNotFound:
+            missing.append(f"--{field}: no {slug} block named {name!r}")
+    if missing:
+        fail("; ".join(missing) + "; nothing was sent. Save the blocks first (`pinned-eval blocks --help`), "
+             "or name saved ones", 2)  # fmt: skip
+
+
+def source_text(raw: object) -> str:
+    """`KIND:PATH` of a source parameter (`none` for the shared posture)."""
+    if not raw:
+        return "none"
+    src = SnapshotSource.model_validate(raw)
+    return f"{src.kind.value}:{src.path}" + (f" --hf-base {src.hf_base}" if src.hf_base else "")
 
 
 def step_runs(client: SyncPrefectClient, run: str, step: int) -> list[FlowRunRecord]:
@@ -131,9 +178,18 @@ def wait_terminal(client: SyncPrefectClient, flow_run_id: str, timeout_s: float)
         fail(f"{last.name if last else flow_run_id} ({flow_run_id}) still {state} after {timeout_s:.0f}s")
 
 
-def print_final(fr: Any) -> None:
+def print_final(fr: Any) -> int:
+    """Print the run's final state; return the exit code of its outcome (0 measured, `EXIT_SKIPPED`,
+    `EXIT_FAILED` for Failed, Crashed and Cancelled)."""
     state = fr.state
     typer.echo(f"{fr.name} {fr.id}: {state.name} ({state.type.value.lower()}) {state.message or ''}".rstrip())
+    outcome = outcome_of(state.type.value, state.name)
+    return 0 if outcome == "measured" else EXIT_SKIPPED if outcome == "skipped" else EXIT_FAILED
+
+
+def finish_wait(client: SyncPrefectClient, flow_run_id: str, timeout_s: float) -> NoReturn:
+    """Wait for the run's terminal state, print it, exit with its outcome's code."""
+    raise typer.Exit(print_final(wait_terminal(client, flow_run_id, timeout_s)))
 
 
 def new_deployment_run(
@@ -155,10 +211,10 @@ def new_deployment_run(
 def request(
     run: RunOpt,
     step: StepOpt,
-    source: Annotated[
-        str | None, typer.Option("--source", help="KIND:PATH, KIND in hf, staged, megatron, state_dict.")
+    source: Annotated[str | None, typer.Option("--source", help=f"KIND:PATH, KIND one of {SOURCE_KINDS}.")] = None,
+    hf_base: Annotated[
+        str | None, typer.Option("--hf-base", help="Base HF dir (megatron, state_dict, lora).")
     ] = None,
-    hf_base: Annotated[str | None, typer.Option("--hf-base", help="Base HF dir (megatron, state_dict).")] = None,
     final: Annotated[bool, typer.Option("--final", help="The run's final point: never skipped as busy.")] = False,
     posture: Annotated[Literal["fleet", "shared"], typer.Option(help="Eval posture.")] = "fleet",
     policy: Annotated[Literal["backpressure", "skip"], typer.Option(help="At the in-flight bound.")] = "backpressure",
@@ -168,13 +224,17 @@ def request(
     staging: Annotated[str, typer.Option("--staging", help="Staging block name.")] = "default",
     sinks: Annotated[str, typer.Option("--sinks", help="Sinks block name.")] = "default",
     force_new: Annotated[
-        bool, typer.Option("--force-new", help="Create a new deployment run instead of sending the event.")
+        bool, typer.Option("--force-new", help="A fresh point for the step (a new deployment run), even when "
+                                               "the step already has one (e.g. with another --source).")
     ] = False,
     deployment: DeploymentOpt = DEFAULT_DEPLOYMENT,
     wait: WaitOpt = False,
     timeout: TimeoutOpt = 1800.0,
 ) -> None:
-    """Request an ad-hoc eval point (the same event a trainer sends)."""
+    """Request an ad-hoc eval point (the same event a trainer sends). Checked before anything is
+    sent: a local --source/--hf-base path exists, the four blocks are saved, and an existing point
+    of the step has the same source (else --force-new). With --wait, exit 0 measured, 3 skipped,
+    4 failed."""
 
     src = parse_source(source, hf_base) if source else None
     try:
@@ -182,9 +242,12 @@ def request(
                            policy=policy, max_in_flight=max_in_flight)
         blocks = BlockNames(suite=suite, fleet=fleet, staging=staging, sinks=sinks)
     except ValidationError as exc:
-        fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()), 2)
+        fail(human_errors(exc, REQUEST_FLAGS), 2)
+    if src is not None:
+        check_local_paths(src)
     name = flow_run_name(run, step)
     with prefect_client() as client:
+        check_blocks(client, blocks)
         if force_new:
             params = {**req.model_dump(mode="json"), **blocks.model_dump()}
             fr = new_deployment_run(client, deployment, params, run, step)
@@ -194,6 +257,11 @@ def request(
             existing = step_runs(client, run, step)
             if existing:
                 last = existing[-1]
+                asked = source_text(req.model_dump(mode="json")["source"])
+                had = source_text(last.parameters.get("source"))
+                if asked != had:
+                    fail(f"{name} exists ({last.id}, {last.state_name}) with source {had}, not {asked}; nothing was "
+                         "sent: `--force-new` requests a fresh point of the step with this source", 2)  # fmt: skip
                 typer.echo(f"{name} exists: {last.id} {last.state_name}; use `pinned-eval rerun` or --force-new")
                 flow_run_id = last.id
             else:
@@ -205,7 +273,7 @@ def request(
                     return
                 flow_run_id = _await_triggered(client, run, step, sent_at, min(timeout, 120.0))
         if wait:
-            print_final(wait_terminal(client, flow_run_id, timeout))
+            finish_wait(client, flow_run_id, timeout)
 
 
 def _await_triggered(client: SyncPrefectClient, run: str, step: int, after: datetime, timeout_s: float) -> str:
@@ -231,7 +299,9 @@ def ensure_snapshot(client: SyncPrefectClient, last: FlowRunRecord) -> str:
     if source.kind is not SourceKind.STAGED:
         gone = [p for p in local if not os.path.exists(p)]
         if gone:
-            fail(f"{source.kind} source of {last.name} is gone ({', '.join(gone)}); it cannot be re-exported")
+            fail(f"{source.kind} source of {last.name} is gone ({', '.join(gone)}); it cannot be exported again. "
+                 f"Request the step with a source that exists: `pinned-eval request --run {last.run} --step "
+                 f"{last.step} --source {source.kind}:PATH{' --hf-base DIR' if source.hf_base else ''} --force-new`")
         return f"{source.kind} source present; the flow exports it again" if source.owned else "hf source present"
     staging = cast(StagingBlock, StagingBlock.load(str(last.parameters.get("staging", "default")))).staging()
     dest = staging.path_for(last.run, last.step)
@@ -280,4 +350,4 @@ def rerun(
             typer.echo(f"re-triggered {name} as a new run {fr.id} (was {last.state_name} {last.id})")
             flow_run_id = str(fr.id)
         if wait:
-            print_final(wait_terminal(client, flow_run_id, timeout))
+            finish_wait(client, flow_run_id, timeout)

@@ -29,12 +29,15 @@ def _stack():
 
 
 @server_app.command("up")
-def server_up(port: Annotated[int | None, typer.Option(help="Port (default 4200 when free).")] = None) -> None:
+def server_up(
+    port: Annotated[int | None, typer.Option(help="Port (default: the home's last one, else 4200, if free).")] = None,
+) -> None:
     """Start the server (or report the running one) with API auth on; print its API URL and where
     its credential is (the UI's login and other clients; the pinned-eval verbs read it themselves)."""
     stack = _stack()
     server = stack.server_up(port)
     typer.echo(f"Prefect UI: {server.ui_url}  (log in with the contents of {stack.auth_file.resolve()})\n"
+               f"the pinned-eval verbs find it in {stack.home}; other clients take:\n"
                f"export PREFECT_API_URL={server.api_url}\n"
                f"export PINNED_EVAL_API_AUTH_FILE={stack.auth_file.resolve()}  # for EvalClient\n"
                f"export PREFECT_API_AUTH_STRING=\"$(cat {stack.auth_file.resolve()})\"  # for Prefect's own CLI")

@@ -8,7 +8,14 @@ export into staging, final point forced, a baseline point at step 0). It ends wi
 table and the UI address where runs `demo/step-N` show the history. The server's API requires
 the stack's credential (`<home>/api-auth`, mode 0600), which the UI's login form asks for.
 
-Each demo starts from a clean state directory (`<home>/demo`), so it can be run again and again.
+One home: the demo runs on the stack of the pinned-eval home (`PINNED_EVAL_HOME`, default
+`.pinned-eval`) — the server recorded there when one is up, else one it starts there (on the
+home's recorded port when free) — so its history stays in the home's database after it exits:
+`pinned-eval server up` reopens it and `pinned-eval status --run demo` reads it, with no variable
+exported. Its files (tiny model, staging, spool, metrics) live in `<home>/demo`, and its blocks
+are saved under the name `demo`, so the home's `default` blocks stay the user's own. Each demo
+starts from a clean slate, so it can be run again and again: `<home>/demo` is emptied and the
+flow runs of run `demo` left by an earlier demo are deleted first. It stops only what it started.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.prefect_server import use_server
-from app.stack import LocalStack
+from app.prefect_server import private_dir, use_server
+from app.stack import LocalStack, StackState
 from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from pinned_eval.events import BlockNames
 from pinned_eval.points import SnapshotSource, SourceKind
+from pinned_eval.processes import pid_alive, stop_groups
 from pinned_eval.settings import get_settings
 from pinned_eval.suite import default_suite
 from trainer_integration.client import EvalClient
@@ -37,6 +46,7 @@ if TYPE_CHECKING:
     from trainer_integration.results import PointOutcome
 
 RUN = "demo"
+BLOCKS = BlockNames(suite=RUN, fleet=RUN, staging=RUN, sinks=RUN)  # the home's `default` ones stay the user's
 
 
 class DemoOptions(BaseModel):
@@ -47,11 +57,13 @@ class DemoOptions(BaseModel):
     eval_every: int = Field(default=100, ge=1, description="An eval point every this many steps.")
     policy: str = Field(default="backpressure", pattern="^(backpressure|skip)$")
     max_in_flight: int = Field(default=2, ge=1)
-    port: int | None = Field(default=None, description="Prefect server port (default 4200 when free).")
+    port: int | None = Field(
+        default=None, description="Prefect server port (default: the home's last one, else 4200, when free)."
+    )
     exit_after: bool = Field(
         default=False, description="Stop everything after the table (without a terminal it always does)."
     )
-    home: Path | None = Field(default=None, description="State directory (default <PINNED_EVAL_HOME>/demo).")
+    home: Path | None = Field(default=None, description="The pinned-eval home (default PINNED_EVAL_HOME).")
 
 
 class _Started:
@@ -75,16 +87,19 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # quiet transformers in every child too
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    home = (opts.home or get_settings().home / "demo").resolve()
-    stack = LocalStack(home)
-    stack.down()  # a previous demo that was not stopped
-    shutil.rmtree(home, ignore_errors=True)
+    stack = LocalStack((opts.home or get_settings().home).resolve())
+    home = stack.home / "demo"
     started = _Started()
     try:
         say("starting the Prefect server on 127.0.0.1 ...")
+        before = stack.state()
         server = stack.server_up(opts.port)
-        started.add("the Prefect server and worker", stack.down)
+        if server.pid != before.server_pid:
+            started.add("the Prefect server and worker", stack.down)
+        else:  # the home's server was up: stop only the worker and companions this demo starts
+            started.add("the worker", lambda: _stop_new(stack, before))
         with use_server(server.api_url, server.home, auth_string=server.auth_string):
+            _clean_slate(home)
             base = _tiny_model(home, say)
             fleet = _save_blocks(home, base)
             say("starting 2 CPU engines behind sglang-router ...")
@@ -97,12 +112,36 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
         say(render_table(table))
         say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N; "
             f"log in with the contents of {stack.auth_file})")
+        say(f"The history stays in {stack.home}: `pinned-eval status --run {RUN}` (after `pinned-eval server up` "
+            "once the demo has stopped)")
         if not opts.exit_after and (sys.stdin.isatty() or get_settings().demo_hold):
             say("everything stays up for you to browse; Ctrl-C stops it all")
             _wait_for_interrupt()
         return table
     finally:
         started.stop_all(say)
+
+
+def _stop_new(stack: LocalStack, before: StackState) -> None:
+    """Stop the worker, warm-start server and backend host recorded now but not in `before`."""
+    now = stack.state()
+    pids = [pid for field in ("worker_pid", "warm_pid", "backend_host_pid")
+            if (pid := getattr(now, field)) and pid != getattr(before, field) and pid_alive(pid)]  # fmt: skip
+    stop_groups(pids, grace_s=60)
+
+
+def _clean_slate(home: Path) -> None:
+    """Empty `<home>/demo` and delete the flow runs of run `demo` an earlier demo left (their
+    idempotency keys would otherwise hand this demo's points the old runs)."""
+    from prefect import get_client  # prefect: already imported by the stack; kept local like the rest
+
+    from flows.point_runs import point_flow_runs
+
+    shutil.rmtree(home, ignore_errors=True)
+    private_dir(home)
+    with get_client(sync_client=True) as client:
+        for fr in point_flow_runs(client, RUN):
+            client.delete_flow_run(fr.id)
 
 
 def _tiny_model(home: Path, say: Callable[[str], None]) -> Path:
@@ -115,11 +154,12 @@ def _tiny_model(home: Path, say: Callable[[str], None]) -> Path:
 def _save_blocks(home: Path, base: Path) -> FleetBlock:
     fleet = FleetBlock(name="demo", mode="launch", backend="cpu", engines=2, model_path=str(base),
                        state_file=str(home / "fleet" / "fleet.json"))  # fmt: skip
-    fleet.save("default", overwrite=True)
-    EvalSuiteBlock(suite=default_suite()).save("default", overwrite=True)
+    fleet.save(BLOCKS.fleet, overwrite=True)
+    EvalSuiteBlock(suite=default_suite()).save(BLOCKS.suite, overwrite=True)
     # the baseline point reads the base model (an `hf` source): its directory is a source root
-    StagingBlock(root=str(home / "staging"), keep_snapshots=2, source_roots=[str(base)]).save("default", overwrite=True)
-    SinksBlock(jsonl_path=str(home / "metrics.jsonl")).save("default", overwrite=True)
+    StagingBlock(root=str(home / "staging"), keep_snapshots=2, source_roots=[str(base)]).save(BLOCKS.staging,
+                                                                                               overwrite=True)
+    SinksBlock(jsonl_path=str(home / "metrics.jsonl")).save(BLOCKS.sinks, overwrite=True)
     return fleet
 
 
@@ -130,7 +170,7 @@ def _train_and_evaluate(
 
     config = DemoConfig(work_dir=home / "trainer", base_model_dir=base, warmup_steps=opts.warmup_steps)
     client = EvalClient(
-        RUN, api_url, policy=opts.policy, max_in_flight=opts.max_in_flight,  # type: ignore[arg-type]
+        RUN, api_url, blocks=BLOCKS, policy=opts.policy, max_in_flight=opts.max_in_flight,  # type: ignore[arg-type]
         staging_root=home / "staging", spool_dir=home / "spool",
     )  # fmt: skip
     try:

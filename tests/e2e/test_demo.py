@@ -1,21 +1,27 @@
 """`make demo` end to end, exactly as the README runs it, plus the UI check on its Prefect server.
 
 The demo is held open (PINNED_EVAL_DEMO_HOLD=1) after its table so headless Chromium (Debian's
-`chromium`, installed by scripts/ci-services.sh) can look at the UI: its API requires the demo's
-credential (`<home>/demo/api-auth`), so the UI first shows its login form, and after logging in
+`chromium`, installed by scripts/ci-services.sh) can look at the UI: its API requires the home's
+credential (`<home>/api-auth`), so the UI first shows its login form, and after logging in
 with the credential every point's run is listed, and the state badges of a Completed, a Skipped
 and a Failed run read so. Then it gets Ctrl-C
 (SIGINT; the child starts with SIGINT at its default whatever this process inherited), and
 nothing it started may be left running. No browser is a failure, not a skip.
+
+After it exits, its history is still browsable from the same home with no variable exported:
+`pinned-eval server up` comes back at the demo's address and `pinned-eval status --run demo`
+lists the steps of its table.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -92,7 +98,7 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
             assert float(r["weight_version"]) == int(r["step"]), r
         first, last = measured[0], measured[-1]
         assert float(last["arith_add"]) >= float(first["arith_add"]) + 0.2, f"no visible climb:\n{text}"
-        auth_file = tmp_path / "demo" / "api-auth"
+        auth_file = tmp_path / "api-auth"  # the home's: the demo runs on the home's stack
         _add_skipped_and_failed_runs(ui.removesuffix("/runs") + "/api", tmp_path, auth_file)
         _check_ui(ui, [int(r["step"]) for r in rows], tmp_path / "ui-flow-runs.png", auth_file)
     finally:
@@ -112,12 +118,38 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
     time.sleep(1)
     left = _descendants_mentioning(str(tmp_path))
     assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
+    _check_history_after_exit(tmp_path, ui, {int(r["step"]): r["state"] for r in rows})
+
+
+def _check_history_after_exit(home: Path, ui: str, table: dict[int, str]) -> None:
+    """The README's next step, as a new user types it: no Prefect variable exported, the home only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PINNED_EVAL_"))}
+    env["PINNED_EVAL_HOME"] = str(home)
+
+    def pinned_eval(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+
+    up = pinned_eval("server", "up")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"Prefect UI: {ui.removesuffix('/runs')} " in up.stdout, (ui, up.stdout)  # the same address
+        status = pinned_eval("status", "--run", "demo", "--json")
+        assert status.returncode == 0, status.stderr
+        points = json.loads(status.stdout)["points"]
+        assert {p["step"]: p["outcome"] for p in points} == table
+    finally:
+        down = pinned_eval("server", "down")
+    assert down.returncode == 0 and down.stdout.startswith("stopped: server"), down.stdout + down.stderr
+    left = _descendants_mentioning(str(home))
+    assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
 
 
 def _add_skipped_and_failed_runs(api: str, tmp_path: Path, auth_file: Path) -> None:
     """Through the product on the demo's server (the trainer's credential from its file): step 1
     is a trainer-side skip (its in-loop export fails), step 2 a point the flow rejects (external
     posture without a backend) → Failed."""
+    from app.demo.run import BLOCKS
     from pinned_eval.points import SnapshotSource
     from pinned_eval.settings import PrefectApiSettings
     from trainer_integration.client import EvalClient
@@ -127,10 +159,10 @@ def _add_skipped_and_failed_runs(api: str, tmp_path: Path, auth_file: Path) -> N
 
     settings = PrefectApiSettings(PREFECT_API_AUTH_STRING=None, PINNED_EVAL_API_AUTH_FILE=auth_file)
     with EvalClient(UI_RUN, api, staging_root=tmp_path / "ui-staging", spool_dir=tmp_path / "ui-spool",
-                    settings=settings) as client:  # fmt: skip
+                    settings=settings, blocks=BLOCKS) as client:  # fmt: skip  (the demo's blocks)
         assert client.dispatch(1, export=broken_export).action == "skipped_export_failed"
         deployment = client.rest.deployment_id("eval-point", "eval-point")
-        params = {"run": UI_RUN, "step": 2, "posture": "external",
+        params = {"run": UI_RUN, "step": 2, "posture": "external", **BLOCKS.model_dump(),
                   "source": SnapshotSource(kind="hf", path=str(tmp_path), require_marker=False).model_dump(mode="json")}
         resp = client.rest.create_flow_run(deployment, {"name": f"{UI_RUN}/step-2", "parameters": params,
                                                         "tags": [f"run:{UI_RUN}", "step:2"]})  # fmt: skip
