@@ -15,6 +15,7 @@ stack as `PREFECT_API_AUTH_STRING` (`env()`); `stack.json` never holds it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import psutil
 from pydantic import BaseModel
 
 from app.prefect_server import ServerProcess, ensure_auth_file, private_dir, start_server, stop_server
@@ -46,7 +48,7 @@ WORK_POOL = "pinned-eval"
 # point between its run's creation and Pending (`python -m bench orchestration`)
 WORKER_QUERY_SECONDS = 0.5
 # how long a stopping worker may take (its in-flight flow runs got SIGTERM with it) before SIGKILL
-WORKER_STOP_GRACE_S = 20.0
+WORKER_STOP_GRACE_S = 60.0
 
 
 def project_dir() -> Path:
@@ -203,12 +205,13 @@ class LocalStack:
         SIGTERM or SIGINT; return its exit code (0 when stopped by a signal).
 
         The warm-start server and the backend host are started first (or the running ones reused)
-        and recorded in the state file with the worker. On the signal, or when the worker ends, what
-        this call started is stopped by PID, in order: the worker's process group (its flow-run
-        processes get SIGTERM there: each ends Crashed, its `finally` retiring its snapshot), the
-        warm-start server, the backend host (which disposes its backends); their records are
-        cleared. Every process started here gets a parent-death signal (`children_die_with_me`), so
-        a SIGKILLed caller leaves no worker polling the pool, nor companions."""
+        and recorded in the state file with the worker. On the signal, or when the worker ends, the
+        worker's flow runs get SIGTERM first and are waited for (`end_flow_runs`: each ends Crashed,
+        its snapshot retired), then what this call started is stopped by PID, in order: the
+        worker's process group, the warm-start server, the backend host (which disposes its
+        backends); their records are cleared. Every process started here gets a parent-death
+        signal (`children_die_with_me`), so a SIGKILLed caller leaves no worker polling the pool,
+        nor companions."""
         started: list[tuple[Literal["worker_pid", "warm_pid", "backend_host_pid"], int, float]] = []
         children_die_with_me()
         with _StopSignals() as stop:
@@ -229,6 +232,8 @@ class LocalStack:
                 return 0
             finally:
                 stop.stopping()
+                if started and started[0][0] == "worker_pid":
+                    end_flow_runs(started[0][1], WORKER_STOP_GRACE_S)
                 for field, pid, grace_s in started:
                     stop_groups([pid], grace_s=grace_s)
                     if getattr(self.state(), field) == pid:
@@ -251,6 +256,20 @@ class LocalStack:
             stopped.append(f"server {st.server_pid}")
         self._save(StackState(prefect_home=st.prefect_home))
         return stopped
+
+
+def end_flow_runs(worker_pid: int, timeout_s: float) -> None:
+    """SIGTERM the worker's flow-run processes (its children: warm-start clients forward it) and
+    wait up to `timeout_s` for them, while the worker still runs: each point's `finally` retires
+    its snapshot, the engine reports it Crashed, and the worker sees it end."""
+    try:
+        runs = psutil.Process(worker_pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for proc in runs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    psutil.wait_procs(runs, timeout=timeout_s)
 
 
 class StopRequested(BaseException):

@@ -62,8 +62,8 @@ def worker(
 
     SIGTERM or SIGINT (Ctrl-C, `kill PID`, a supervisor's stop) stops the worker, then the
     warm-start server and the backend host this command started (the host disposes its backends),
-    and exits 0. A flow run in flight gets SIGTERM with the worker: it ends Crashed and its
-    snapshot is retired. If this command is SIGKILLed, the processes it started are killed with it
+    and exits 0. A flow run in flight gets SIGTERM first and is waited for: it ends Crashed and
+    its snapshot is retired. If this command is SIGKILLed, the processes it started are killed with it
     (parent-death signal): nothing is left taking points."""
     code = _stack().run_worker(query_seconds=query_seconds, pool=pool)
     raise typer.Exit(code)

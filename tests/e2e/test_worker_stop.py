@@ -20,14 +20,16 @@ from prefect import get_client
 from prefect.exceptions import PrefectHTTPStatusError
 
 from app.stack import LocalStack, StackState
+from app.warm_start import write_job_template
 from pinned_eval.backend_host import evaluate_hosted, host_health
 from pinned_eval.external import EvalInput
 from pinned_eval.local_socket import answers
 from pinned_eval.polling import poll_until
 from pinned_eval.processes import pid_alive
-from tests.deploykit import REPO
+from tests.conftest import free_port
+from tests.deploykit import REPO, prefect_cli
 from tests.hosted_backends import read_lifecycle
-from tests.pointkit import SMALL_SUITE
+from tests.pointkit import SMALL_SUITE, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 BACKEND = "tests.hosted_backends:LifecycleBackend"
@@ -70,6 +72,10 @@ def _workers_on(pool: str) -> list[object]:
 def worker_cli(prefect_server: str, tmp_path: Path) -> Iterator[WorkerCli]:
     home = fresh_home(tmp_path, prefect_server)
     pool = f"stop-{uuid.uuid4().hex[:8]}"
+    template = write_job_template(tmp_path / "warm-template.json")  # the pool `pinned-eval deploy` creates
+    made = prefect_cli("work-pool", "create", pool, "--type", "process", "--base-job-template", str(template),
+                       env=dict(os.environ))  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
     log = tmp_path / "cli.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PINNED_EVAL_")}
     with open(log, "wb") as out:
@@ -151,3 +157,39 @@ def test_a_sigkilled_cli_leaves_nothing_that_polls_the_pool(worker_cli: WorkerCl
     poll_until(lambda: not _gone(started), timeout_s=30, interval_s=0.1,
                what=lambda: f"the CLI's children to die with it; left: {_gone(started)}")  # fmt: skip
     assert _pollers(worker_cli.pool) == []
+
+
+def _deployment_on(pool: str) -> str:
+    """The eval-point flow deployed on `pool` alone, as `prefect.yaml` deploys it on `pinned-eval`."""
+    with get_client(sync_client=True) as c:
+        flow_id = c.create_flow_from_name("eval-point")
+        pull = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        return str(c.create_deployment(flow_id=flow_id, name=pool, work_pool_name=pool, pull_steps=pull,
+                                       entrypoint="flows/eval_point.py:eval_point"))  # fmt: skip
+
+
+def test_a_point_in_flight_when_the_worker_stops_ends_crashed_with_its_snapshot_retired(
+    worker_cli: WorkerCli, tiny_model: Path, tmp_path: Path
+) -> None:
+    from blocks import ExternalBackendBlock, FleetBlock, StagingBlock
+
+    dead = f"http://127.0.0.1:{free_port()}"  # the external posture never touches the fleet
+    env = save_point_blocks(tmp_path, FleetBlock(name=f"d{uuid.uuid4().hex[:6]}", mode="attach",
+                                                 engine_urls=[dead], router_url=dead), keep_snapshots=0)  # fmt: skip
+    lifecycle = str(tmp_path / "lifecycle.jsonl")
+    ExternalBackendBlock(backend=BACKEND, options={"log": lifecycle, "delay_s": 600.0}).save(f"slow-{env.run}")
+    snap = write_step_snapshot(tiny_model, StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, 5))
+    params = env.params(5, source={"kind": "staged", "path": snap}, posture="external", backend_block=f"slow-{env.run}")
+    with get_client(sync_client=True) as c:
+        flow_run_id = c.create_flow_run_from_deployment(_deployment_on(worker_cli.pool), parameters=params).id
+    poll_until(lambda: any(e["event"] == "pin" for e in read_lifecycle(lifecycle)), timeout_s=180, interval_s=0.5,
+               what=lambda: f"the point to be measuring; CLI log:\n{worker_cli.log.read_text()}")  # fmt: skip
+
+    os.kill(worker_cli.proc.pid, signal.SIGTERM)
+    assert worker_cli.proc.wait(timeout=90) == 0, worker_cli.log.read_text()
+
+    with get_client(sync_client=True) as c:
+        state = c.read_flow_run(flow_run_id).state
+    assert state is not None and state.type.value == "CRASHED", f"{state}; CLI log:\n{worker_cli.log.read_text()}"
+    assert not Path(snap).exists(), "the point's owned snapshot is retired (keep_snapshots=0: deleted)"
+    assert [e["event"] for e in read_lifecycle(lifecycle)] == ["init", "pin", "cancelled", "dispose"]
