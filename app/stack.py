@@ -15,28 +15,40 @@ stack as `PREFECT_API_AUTH_STRING` (`env()`); `stack.json` never holds it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
+import psutil
 from pydantic import BaseModel
 
 from app.prefect_server import ServerProcess, ensure_auth_file, private_dir, start_server, stop_server
 from app.warm_start import SOCKET_ENV, server_command, wait_listening, write_job_template
 from pinned_eval.backend_host import HOST_ENV, host_command, wait_host_ready
-from pinned_eval.processes import ProcessSpec, free_port, pid_alive, start_process, stop_groups
+from pinned_eval.processes import (
+    ProcessSpec,
+    children_die_with_me,
+    free_port,
+    pid_alive,
+    start_process,
+    stop_groups,
+)
 from pinned_eval.settings import AUTH_FILE_NAME, read_auth_file
 
 WORK_POOL = "pinned-eval"
 # how often a worker polls for runs (and how far ahead it prefetches): the poll is paid on every
 # point between its run's creation and Pending (`python -m bench orchestration`)
 WORKER_QUERY_SECONDS = 0.5
+# how long a stopping worker may take (its in-flight flow runs got SIGTERM with it) before SIGKILL
+WORKER_STOP_GRACE_S = 60.0
 
 
 def project_dir() -> Path:
@@ -185,15 +197,52 @@ class LocalStack:
         if st.worker_pid and pid_alive(st.worker_pid):
             return st.worker_pid
         env = self.worker_env(query_seconds)
-        spec = ProcessSpec(
-            role="worker",
-            command=[sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
-            env=env,
-            cwd=str(project_dir()),
-        )
+        spec = ProcessSpec(role="worker", command=self.worker_command(), env=env, cwd=str(project_dir()))
         record, _ = start_process(spec, self.home / "worker.log")
         self._save(st.model_copy(update={"worker_pid": record.pid}))
         return record.pid
+
+    def worker_command(self, pool: str = WORK_POOL) -> list[str]:
+        return [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
+
+    def run_worker(self, *, query_seconds: float = WORKER_QUERY_SECONDS, pool: str = WORK_POOL) -> int:
+        """`pinned-eval worker`: run a process worker on `pool` until it exits or this process gets
+        SIGTERM or SIGINT; return its exit code (0 when stopped by a signal).
+
+        The warm-start server and the backend host are started first (or the running ones reused)
+        and recorded in the state file with the worker. On the signal, or when the worker ends, the
+        worker's flow runs get SIGTERM first and are waited for (`end_flow_runs`: each ends Crashed,
+        its snapshot retired), then what this call started is stopped by PID, in order: the
+        worker's process group, the warm-start server, the backend host (which disposes its
+        backends); their records are cleared. Every process started here gets a parent-death
+        signal (`children_die_with_me`), so a SIGKILLed caller leaves no worker polling the pool,
+        nor companions."""
+        started: list[tuple[Literal["worker_pid", "warm_pid", "backend_host_pid"], int, float]] = []
+        children_die_with_me()
+        with _StopSignals() as stop:
+            try:
+                before = self.state()
+                warm_pid, host_pid = self.warm_up(), self.backend_host_up()
+                if warm_pid != before.warm_pid:
+                    started.append(("warm_pid", warm_pid, 30.0))
+                if host_pid != before.backend_host_pid:
+                    started.append(("backend_host_pid", host_pid, 60.0))
+                spec = ProcessSpec(role="worker", command=self.worker_command(pool),
+                                   env=self.worker_env(query_seconds), cwd=str(project_dir()))  # fmt: skip
+                record, proc = start_process(spec, None)  # foreground: its output is this command's
+                started.insert(0, ("worker_pid", record.pid, WORKER_STOP_GRACE_S))
+                self._save(self.state().model_copy(update={"worker_pid": record.pid}))
+                return proc.wait()
+            except StopRequested:
+                return 0
+            finally:
+                stop.stopping()
+                if started and started[0][0] == "worker_pid":
+                    end_flow_runs(started[0][1], WORKER_STOP_GRACE_S)
+                for field, pid, grace_s in started:
+                    stop_groups([pid], grace_s=grace_s)
+                    if getattr(self.state(), field) == pid:
+                        self._save(self.state().model_copy(update={field: None}))
 
     def down(self) -> list[str]:
         """Stop the worker, then the server; returns what was stopped."""
@@ -212,6 +261,56 @@ class LocalStack:
             stopped.append(f"server {st.server_pid}")
         self._save(StackState(prefect_home=st.prefect_home, port=st.port))
         return stopped
+
+
+def end_flow_runs(worker_pid: int, timeout_s: float) -> None:
+    """SIGTERM the worker's flow-run processes (its children: warm-start clients forward it) and
+    wait up to `timeout_s` for them, while the worker still runs: each point's `finally` retires
+    its snapshot, the engine reports it Crashed, and the worker sees it end."""
+    try:
+        runs = psutil.Process(worker_pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for proc in runs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    psutil.wait_procs(runs, timeout=timeout_s)
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGINT arrived (a BaseException, like KeyboardInterrupt: no handler swallows it)."""
+
+
+class _StopSignals:
+    """While entered, the first SIGTERM/SIGINT raises `StopRequested` in the main thread; later ones
+    are ignored, so stopping the children is not interrupted. The previous handlers come back on
+    exit. (Installed before any child starts: children then get SIGINT at its default, even when
+    this process was started with it ignored, as a background job of a script is.)"""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+        self._raise = True
+
+    def stopping(self) -> None:
+        """From now on a signal is only recorded (the caller is already stopping)."""
+        self._raise = False
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+        if self._raise:
+            self._raise = False
+            raise StopRequested(signal.Signals(signum).name)
+
+    def __enter__(self) -> _StopSignals:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _preferred_port(recorded: int | None = None) -> int:

@@ -48,6 +48,7 @@ from tasks.log import lag_steps, log_point, measured_rows, sink_note, skip_rows
 from tasks.pin import pin_fleet, verify_shared
 from tasks.results import cached_generations, store_generations
 from tasks.score import score
+from tasks.skip_logging import quiet_expected_skips
 from tasks.snapshots import Snapshot, check_snapshot_task, export_snapshot, retire_snapshot
 
 
@@ -107,6 +108,7 @@ def eval_point(
         max_in_flight=max_in_flight, export_time_seconds=export_time_seconds,
         backend_block=backend_block,
     )  # fmt: skip
+    quiet_expected_skips()  # a task's EvalSkipped: INFO, no traceback (the WARNING below names it)
     started = time.monotonic()
     sinks_block: SinksBlock | None = None
     store: Staging | None = None

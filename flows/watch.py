@@ -29,12 +29,11 @@ from blocks import StagingBlock
 from blocks._meta import load_block
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.points import (
-    RUN_PATTERN,
-    RUN_RE,
     PointRequest,
     Posture,
     SnapshotSource,
     SourceKind,
+    check_run_name,
     history_artifact_key,
 )
 from pinned_eval.settings import PrefectApiSettings
@@ -152,8 +151,10 @@ def watch_checkpoints(
     An `s3://` root is listed with the endpoint and credentials of the StagingBlock
     `storage_block` (default: the points' `staging` block, which their checks read it with).
     """
-    if not RUN_RE.match(run):
-        raise ValueError(f"run: {run!r} must match {RUN_PATTERN}")
+    try:
+        check_run_name(run)
+    except ValueError as exc:
+        raise ValueError(f"run: {exc}") from None
     if min_step < 0:
         raise ValueError(f"min_step: must be >= 0, got {min_step}")
     if quiescence_seconds is not None and quiescence_seconds <= 0:

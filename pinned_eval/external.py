@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from pinned_eval.points import RUN_PATTERN, history_artifact_key
+from pinned_eval.points import RunName, history_artifact_key
 from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
 from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import EvalSuite, ResolvedDataset
@@ -71,7 +71,7 @@ class EvalInput(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    run: str = Field(pattern=RUN_PATTERN, description="Training run name.")
+    run: RunName = Field(description="Training run name.")
     step: int = Field(ge=0, description="Training step whose weights are measured.")
     hf_dir: str = Field(min_length=1, description="The checkpoint directory (HF format).")
     suite: EvalSuite = Field(description="Datasets, sampling and rewards to measure.")

@@ -12,16 +12,65 @@ from __future__ import annotations
 import re
 import uuid
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-RUN_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"  # pydantic (Rust regex): `$` is the end of the text
+RUN_NAME_MAX = 63
+RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # pydantic (Rust regex): `$` is the end of the text
 # Python's `re` lets `$` match before a trailing newline: every Python check uses RUN_RE (`\Z`)
 RUN_RE = re.compile(RUN_PATTERN.removesuffix("$") + r"\Z")
+RUN_RULE = (
+    f"a run name is 1 to {RUN_NAME_MAX} letters, digits, '.', '_' or '-', starting with a letter or a "
+    "digit, without '..' (e.g. `Exp42`, `qwen3-8b-v1.2`)"
+)
 BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,99}$"  # a saved block document's name, as Prefect allows
 EVENT_REQUESTED = "pinned-eval.point.requested"
 _EVENT_NAMESPACE = uuid.UUID("6f1c1f4e-6a43-4a8e-9d0e-7d8f3c1b2a90")
+
+
+def check_run_name(run: str) -> str:
+    """`run` if it is a valid run name, else `ValueError` with `RUN_RULE` (a sentence, not a regex)."""
+    if not RUN_RE.match(run) or ".." in run:
+        raise ValueError(f"run {run!r} is refused: {RUN_RULE}")
+    return run
+
+
+RunName = Annotated[str, AfterValidator(check_run_name)]
+
+
+def run_key(run: str) -> str:
+    """`run` as a path segment or limit-name part that differs from every other run's, even where
+    case is folded (a case-insensitive filesystem): lowercase letters, digits, '-' and '_' stay
+    as they are (so a lowercase name is its own key), a capital `X` becomes `x.` and a '.' `_.`.
+
+    Injective: the code is suffix-free ('.' only ever ends a two-character code), so a key decodes
+    from the right to exactly one name. A key has no capital, never starts with '.', never holds
+    '..' or a separator, and is at most twice the name's length."""
+    check_run_name(run)
+    return "".join(f"{c.lower()}." if c.isupper() else "_." if c == "." else c for c in run)
+
+
+def run_of_key(key: str) -> str | None:
+    """The run whose `run_key` is `key` (decoded from the right), or None when `key` is no run's key."""
+    out: list[str] = []
+    i = len(key) - 1
+    while i >= 0:
+        c = key[i]
+        if c == ".":
+            prev = key[i - 1] if i > 0 else ""
+            if prev == "_":
+                out.append(".")
+            elif "a" <= prev <= "z":
+                out.append(prev.upper())
+            else:
+                return None
+            i -= 2
+        else:
+            out.append(c)
+            i -= 1
+    run = "".join(reversed(out))
+    return run if RUN_RE.match(run) and ".." not in run and run_key(run) == key else None
 
 
 class SourceKind(StrEnum):
@@ -72,7 +121,7 @@ class PointRequest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    run: str = Field(pattern=RUN_PATTERN, description="Training run name, e.g. `exp42`.")
+    run: RunName = Field(description="Training run name, e.g. `exp42`, `Exp42` or `qwen3-8b-v1.2`.")
     step: int = Field(ge=0, description="Training step whose weights are measured.")
     source: SnapshotSource | None = Field(
         default=None, description="Snapshot source of the step's weights (None only for the shared posture)."
@@ -130,17 +179,25 @@ def run_resource_id(run: str) -> str:
 
 
 def inflight_limit_name(run: str) -> str:
-    return f"eval-inflight-{run}"
+    """The run's in-flight concurrency limit: one per run (`run_key`: never another run's)."""
+    return f"eval-inflight-{run_key(run)}"
 
 
 def progress_variable_name(run: str) -> str:
-    """Prefect Variable holding the trainer's latest reported step (for `eval/lag_steps`)."""
-    return f"pinned_eval_progress_{run.replace('-', '_')}"
+    """Prefect Variable holding the trainer's latest reported step (for `eval/lag_steps`); variable
+    names allow lowercase letters, digits, '-' and '_': `run_key` with '_' written `__`, '.' `_d`."""
+    return f"pinned_eval_progress_{_escape(run_key(run), '_', {'_': '_', '.': 'd'})}"
 
 
 def history_artifact_key(run: str) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes only."""
-    return f"eval-{run.replace('_', '-')}"
+    """Artifact keys allow lowercase letters, digits and dashes only: `run_key` with '-' written
+    `--`, '_' `-u` and '.' `-d` (a prefix code: two runs never share a key)."""
+    return f"eval-{_escape(run_key(run), '-', {'-': '-', '_': 'u', '.': 'd'})}"
+
+
+def _escape(key: str, escape: str, codes: dict[str, str]) -> str:
+    """`key` with each character of `codes` written as `escape` + its code (injective: a prefix code)."""
+    return "".join(escape + codes[c] if c in codes else c for c in key)
 
 
 Outcome = Literal["measured", "skipped", "failed", "crashed", "cancelled", "running", "pending", "scheduled"]

@@ -14,7 +14,8 @@ Invariants:
   here also gets a parent-death signal (SIGKILL, `PR_SET_PDEATHSIG`, set in the child before
   exec): a SIGKILLed host orphans nothing. Linux sends it when the *thread* that started the
   child ends, so launch from a thread that lives as long as the process (the host's executor
-  threads do). The CLI's long-lived daemons (server, worker) are started without it.
+  threads do). `pinned-eval worker` calls it too (its worker, warm-start server and backend host
+  die with it); the daemons `server up` and `LocalStack.worker_up` start are started without it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import httpx
 import psutil
@@ -101,27 +102,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_process(spec: ProcessSpec, log_path: Path) -> tuple[ProcessRecord, subprocess.Popen[bytes]]:
-    """Start `spec` detached in a new session, stdout+stderr appended to `log_path`."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"\n=== start {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(spec.command)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            spec.command,
-            env={**os.environ, **spec.env},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=spec.cwd,
-            preexec_fn=_set_parent_death_signal if _die_with_me else None,  # one syscall: thread-safe
-        )
+def start_process(spec: ProcessSpec, log_path: Path | None) -> tuple[ProcessRecord, subprocess.Popen[bytes]]:
+    """Start `spec` detached in a new session, stdout+stderr appended to `log_path` (None: this
+    process's own stdout and stderr, for a foreground child)."""
+    if log_path is None:
+        proc = _popen(spec, None)
+    else:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== start {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(spec.command)}\n".encode())
+            log.flush()
+            proc = _popen(spec, log)
     try:
         created = psutil.Process(proc.pid).create_time()
     except psutil.NoSuchProcess:
         created = 0.0
-    return ProcessRecord(spec=spec, pid=proc.pid, create_time=created, log_path=str(log_path)), proc
+    return ProcessRecord(spec=spec, pid=proc.pid, create_time=created, log_path=str(log_path or "")), proc
+
+
+def _popen(spec: ProcessSpec, log: IO[bytes] | None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        spec.command,
+        env={**os.environ, **spec.env},
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT if log is not None else None,
+        start_new_session=True,
+        cwd=spec.cwd,
+        preexec_fn=_set_parent_death_signal if _die_with_me else None,  # one syscall: thread-safe
+    )
 
 
 def is_running(record: ProcessRecord) -> bool:

@@ -48,7 +48,7 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from pinned_eval.events import BlockNames
-from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind
+from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, run_key
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.snapshot.confined import UnsafeStagingRootError
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
@@ -136,7 +136,7 @@ class EvalClient(PointOutcomes):
         self.progress = ProgressPublisher(self.rest, run)
         self.admission = AdmissionView(run, visible_timeout_s)
         spool_root = Path(spool_dir) if spool_dir else get_settings().home / "spool"
-        self.spool = Spool(spool_root / run)
+        self.spool = Spool(spool_root / run_key(run))  # one directory per run, whatever the case
         self.deliverer = Deliverer(
             self.spool,
             Delivery(

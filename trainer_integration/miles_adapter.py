@@ -40,9 +40,9 @@ from pinned_eval.events import BlockNames
 from pinned_eval.external import DatasetResult, results_from_rows, samples_artifact_key
 from pinned_eval.inflight import in_flight
 from pinned_eval.points import (
-    RUN_PATTERN,
     PointRequest,
     Posture,
+    RunName,
     SnapshotSource,
     SourceKind,
     flow_run_name,
@@ -94,7 +94,7 @@ class AdapterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     api_url: str = Field(min_length=1, description="Prefect API URL, e.g. http://127.0.0.1:4200/api.")
-    run: str = Field(pattern=RUN_PATTERN, description="pinned-eval run name of this training job.")
+    run: RunName = Field(description="pinned-eval run name of this training job.")
     deployment: str = Field(default="eval-point/eval-point", pattern=r"^[^/]+/[^/]+$")
     posture: Posture = Posture.FLEET
     policy: Literal["backpressure", "skip"] = "backpressure"

@@ -8,9 +8,6 @@ operation failed.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from typing import Annotated
 
 import typer
@@ -64,24 +61,15 @@ def deploy() -> None:
 
 def worker(
     query_seconds: Annotated[float, typer.Option(help="How often the worker polls for runs.")] = 0.5,
+    pool: Annotated[str, typer.Option(help="Work pool to take flow runs from.")] = "pinned-eval",
 ) -> None:
-    """Run a process worker on the `pinned-eval` pool in the foreground (Ctrl-C stops it), with its
-    warm-start fork server and backend host beside it (started first, stopped by PID after it; the
-    host disposes its external backends as it stops)."""
-    from app.stack import WORK_POOL, project_dir  # prefect: slow import; `pinned-eval --help` stays fast
-    from pinned_eval.processes import stop_groups
+    """Run a process worker on the `pinned-eval` pool in the foreground, with its warm-start fork
+    server and backend host beside it (started first; recorded in `<home>/stack.json`).
 
-    stack = _stack()
-    before = stack.state()
-    warm_pid, host_pid = stack.warm_up(), stack.backend_host_up()
-    env = stack.worker_env(query_seconds)
-    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"]
-    os.chdir(project_dir())
-    try:
-        code = subprocess.call(cmd, env=env)
-    finally:
-        if warm_pid != before.warm_pid:  # this command started it
-            stop_groups([warm_pid], grace_s=30)
-        if host_pid != before.backend_host_pid:
-            stop_groups([host_pid], grace_s=60)
+    SIGTERM or SIGINT (Ctrl-C, `kill PID`, a supervisor's stop) stops the worker, then the
+    warm-start server and the backend host this command started (the host disposes its backends),
+    and exits 0. A flow run in flight gets SIGTERM first and is waited for: it ends Crashed and
+    its snapshot is retired. If this command is SIGKILLed, the processes it started are killed with it
+    (parent-death signal): nothing is left taking points."""
+    code = _stack().run_worker(query_seconds=query_seconds, pool=pool)
     raise typer.Exit(code)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from app.warm_start.client import SOCKET_ENV
 from pinned_eval.local_socket import answers
+from pinned_eval.polling import PollTimeout, poll_until
 
 CLIENT = Path(__file__).with_name("client.py")
 
@@ -52,10 +52,13 @@ def write_job_template(path: Path) -> Path:
 def wait_listening(socket_path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
     """Block until the server accepts connections on `socket_path`; `RuntimeError` if it exits or
     times out first."""
-    deadline = time.monotonic() + timeout_s
-    while not answers(socket_path):
+
+    def listening() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"warm-start server exited with {proc.returncode} before listening on {socket_path}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"warm-start server not listening on {socket_path} within {timeout_s}s")
-        time.sleep(0.05)
+        return answers(socket_path)
+
+    try:
+        poll_until(listening, timeout_s=timeout_s, interval_s=0.05, what=f"warm-start server on {socket_path}")
+    except PollTimeout as exc:
+        raise RuntimeError(str(exc)) from None

@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pinned_eval.points import RUN_PATTERN, RUN_RE
+from pinned_eval.points import check_run_name, run_key, run_of_key
 from pinned_eval.settings import get_settings
 from pinned_eval.snapshot import s3_upload
 from pinned_eval.snapshot.check import SnapshotCheck, check_snapshot
@@ -48,7 +48,6 @@ from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, is_s3, join, resolve, to_url
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_RUN = RUN_RE  # `\Z`: a run name with a trailing newline is refused
 
 
 class SnapshotIncompleteError(ExportError, RuntimeError):
@@ -107,11 +106,14 @@ class Staging:
     # ---- paths -------------------------------------------------------------------------------
 
     def path_for(self, run: str, step: int) -> str:
-        if not _RUN.match(run):
-            raise StagingPathError(f"run {run!r} must match {RUN_PATTERN}")
+        """`<root>/<run_key(run)>/step_<step, 8 digits>`: one directory per run, whatever the case."""
+        try:
+            check_run_name(run)
+        except ValueError as exc:
+            raise StagingPathError(str(exc)) from None
         if step < 0:
             raise StagingPathError(f"step must be >= 0, got {step}")
-        return to_url(self.fs, join(self.fs, self.root_path, f"{run}/step_{step:08d}"))
+        return to_url(self.fs, join(self.fs, self.root_path, f"{run_key(run)}/step_{step:08d}"))
 
     def _confine(self, path: str) -> str:
         """The fs path of `path` if it lies strictly below the root; raise before any delete."""
@@ -146,9 +148,10 @@ class Staging:
         rel = fs_path[len(self.root_path) + 1 :].replace(os.sep, "/")
         parts = rel.split("/")
         m = _STEP_DIR.match(parts[-1]) if len(parts) == 2 else None
-        if not m or not _RUN.match(parts[0]):
+        run = run_of_key(parts[0]) if m else None
+        if not m or run is None:
             raise StagingPathError(f"{rel!r} is not <run>/step_<step> under staging root {self.root}")
-        return parts[0], int(m.group(1))
+        return run, int(m.group(1))
 
     # ---- snapshots ---------------------------------------------------------------------------
 
@@ -189,16 +192,16 @@ class Staging:
 
     def list(self, run: str | None = None) -> builtins.list[StagedSnapshot]:
         """Every `<run>/step_*` snapshot under the root (optionally one run's), oldest step first."""
-        runs = [run] if run is not None else [n for n, t in self._children(self.root_path) if t != "file"]
+        keys = [run_key(run)] if run is not None else [n for n, t in self._children(self.root_path) if t != "file"]
         found = []
-        for r in runs:
-            if not _RUN.match(r):
+        for key in keys:
+            if (r := run_of_key(key)) is None:
                 continue
-            for name, kind in self._children(join(self.fs, self.root_path, r)):
+            for name, kind in self._children(join(self.fs, self.root_path, key)):
                 m = _STEP_DIR.match(name)
                 if kind != "directory" or not m:
                     continue
-                fs_path = join(self.fs, self.root_path, f"{r}/{name}")
+                fs_path = join(self.fs, self.root_path, f"{key}/{name}")
                 files = self.fs.ls(fs_path, detail=True)
                 mtime = max((file_mtime(f) for f in files), default=0.0)
                 retired = any(f["name"].rstrip("/").endswith("/" + RETIRED) for f in files)

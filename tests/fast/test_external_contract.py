@@ -133,7 +133,7 @@ def test_sample_rows_round_trip() -> None:
     assert results_from_rows(list(reversed(rows))) == data
     with pytest.raises(ValueError, match="indices"):
         results_from_rows(rows[1:])
-    assert samples_artifact_key("exp_42", 7) == "eval-exp-42-step-7-samples"
+    assert samples_artifact_key("exp_42", 7) == "eval-exp-u42-step-7-samples"  # `history_artifact_key`: "_" is "-u"
 
 
 # ---------------------------------------------------------------------------- backends

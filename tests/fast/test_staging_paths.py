@@ -68,7 +68,7 @@ def test_retire_needs_a_run_step_path(staged: tuple[Staging, Path]) -> None:
 def test_path_for_validates(staged: tuple[Staging, Path]) -> None:
     staging, _ = staged
     assert staging.path_for("exp-1_a", 12).endswith("/exp-1_a/step_00000012")
-    for run in ("../x", "a/b", "", "Exp"):
+    for run in ("../x", "a/b", "", "a..b", "a b"):
         with pytest.raises(StagingPathError):
             staging.path_for(run, 1)
     with pytest.raises(StagingPathError):

@@ -121,3 +121,19 @@ def test_client_imports_only_the_standard_library() -> None:
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
     assert pool_command("/py").split() == ["/py", "-S", str(CLIENT)]
+
+
+def test_wait_listening_names_a_server_that_exits_or_never_listens(tmp_path: Path) -> None:
+    from app.warm_start import wait_listening
+
+    sock = tmp_path / "warm.sock"
+    exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    with pytest.raises(RuntimeError, match=f"^warm-start server exited with 3 before listening on {sock}$"):
+        wait_listening(sock, exited, timeout_s=60)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(RuntimeError, match=rf"^warm-start server on {sock} \(after 0.3s\)$"):
+            wait_listening(sock, idle, timeout_s=0.3)
+    finally:
+        idle.kill()
+        idle.wait()
