@@ -224,6 +224,47 @@ def test_in_loop_adapter_exports_are_dispatched_as_lora_sources(tmp_path: Path):
     assert check_snapshot(source.path).complete  # the staged adapter, marker last
 
 
+def test_an_exporters_own_error_is_an_export_failed_skip_never_raised(tmp_path: Path):
+    """The dispatch contract (README, `trainer_integration.client`): whatever the exporter raises,
+    its own bugs included, is this point's `export_failed`; training is never crashed by eval."""
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    staging = tmp_path / "staging"
+
+    def buggy(step: int, dest: str) -> None:
+        Path(dest).mkdir(parents=True)
+        (Path(dest) / "model-00001.safetensors").write_bytes(b"partial")
+        raise ValueError("exporter bug: shape mismatch")
+
+    with EvalClient("exp42", dead, spool_dir=tmp_path / "spool", staging_root=staging) as client:
+        failed = client.dispatch(3, export=buggy)
+        ok = client.dispatch(4, export=lambda step, dest: Path(dest).mkdir(parents=True))
+    assert failed.action == "skipped_export_failed"
+    assert failed.reason == "in-loop export: ValueError('exporter bug: shape mismatch')"
+    assert not (staging / "exp42" / "step_00000003").exists()  # the partial output is removed
+    assert ok.action == "requested"  # the next point exports again
+    entries = Spool(tmp_path / "spool" / "exp42").pending()
+    assert [(e.kind, e.step) for e in entries] == [("skip_record", 3), ("event", 4)]
+    assert entries[0].body["state"]["message"] == (
+        "export_failed: step 3: in-loop export: ValueError('exporter bug: shape mismatch')"
+    )
+
+
+def test_dispatch_raises_only_for_a_misuse_of_the_call_before_any_export(tmp_path: Path):
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    exported: list[int] = []
+    with EvalClient("exp42", dead, spool_dir=tmp_path / "a", staging_root=tmp_path / "staging") as client:
+        with pytest.raises(ValueError, match=r"^step: must be >= 0, got -1$"):
+            client.dispatch(-1, export=lambda step, dest: exported.append(step))
+        with pytest.raises(ValueError, match="source: the 'fleet' posture needs a snapshot source"):
+            client.dispatch(1)
+    with (
+        EvalClient("exp42", dead, spool_dir=tmp_path / "b") as client,
+        pytest.raises(ValueError, match=r"^staging_root: an in-loop export needs"),
+    ):
+        client.dispatch(1, export=lambda step, dest: exported.append(step))
+    assert exported == []
+
+
 def test_trainer_integration_imports_without_prefect():
     code = (
         "import sys, trainer_integration.client, trainer_integration.spool, trainer_integration.events;"
