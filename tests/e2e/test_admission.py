@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
+from unittest import mock
 
+import httpx
 import pytest
 from prefect import get_client
+from prefect.client.orchestration import PrefectClient
 
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.skips import EvalSkipped, SkipReason
@@ -29,25 +31,57 @@ def test_skip_policy_skips_busy_when_full_and_final_waits(prefect_server: str) -
             pytest.fail("admitted past a full limit")
         assert info.value.reason == SkipReason.BUSY
 
-        # the final point waits instead of skipping: release the slot from another thread later
+    # the final point waits instead of skipping: the holder releases only once the final point's
+    # request for a slot was refused (423), so the order below proves the wait, not a duration
     order: list[str] = []
-    hold = threading.Event()
+    held, refused, release = threading.Event(), threading.Event(), threading.Event()
+    increment = PrefectClient.increment_concurrency_slots_with_lease
+
+    async def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return await increment(self, *args, **kwargs)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 423 and not refused.is_set():
+                order.append("final refused")
+                refused.set()
+            raise
 
     def holder() -> None:
         with admitted(run, 3, policy="skip", final=False, max_in_flight=1):
             order.append("held")
-            hold.wait(10)
-        order.append("released")
+            held.set()
+            assert release.wait(60)
+            order.append("releasing")
 
     t = threading.Thread(target=holder)
     t.start()
-    while "held" not in order:
-        time.sleep(0.05)
-    threading.Timer(1.0, hold.set).start()
-    with admitted(run, 4, policy="skip", final=True, max_in_flight=1):
-        order.append("final admitted")
-    t.join(10)
-    assert order == ["held", "released", "final admitted"]
+    try:
+        assert held.wait(60)
+        waiter = threading.Thread(target=lambda: refused.wait(60) and release.set())
+        waiter.start()
+        with (
+            mock.patch.object(PrefectClient, "increment_concurrency_slots_with_lease", recording),
+            admitted(run, 4, policy="skip", final=True, max_in_flight=1),
+        ):
+            order.append("final admitted")
+    finally:
+        refused.set()
+        release.set()
+        t.join(60)
+    assert order == ["held", "final refused", "releasing", "final admitted"]
+    assert active_slots(inflight_limit_name(run)) == 0
+
+
+def test_skip_policy_admits_up_to_exactly_the_bound(prefect_server: str) -> None:
+    """With max_in_flight=2: one slot held, the next point is admitted; two held, it is busy."""
+    run = f"adm-bound-{uuid.uuid4().hex[:8]}"
+    with admitted(run, 1, policy="skip", final=False, max_in_flight=2):
+        with admitted(run, 2, policy="skip", final=False, max_in_flight=2):
+            assert active_slots(inflight_limit_name(run)) == 2
+            with pytest.raises(EvalSkipped) as info, admitted(run, 3, policy="skip", final=False, max_in_flight=2):
+                pytest.fail("admitted past a full limit")
+            assert info.value.reason == SkipReason.BUSY
+        assert active_slots(inflight_limit_name(run)) == 1
     assert active_slots(inflight_limit_name(run)) == 0
 
 
@@ -62,7 +96,6 @@ def test_existing_limit_size_is_kept(prefect_server: str) -> None:
 def test_points_starting_at_once_create_the_limit_once(prefect_server: str) -> None:
     """Every caller reads "not found" first, then all create: the losers must not fail."""
     from concurrent.futures import ThreadPoolExecutor
-    from unittest import mock
 
     from prefect.client.orchestration import SyncPrefectClient
 

@@ -25,9 +25,10 @@ from pinned_eval.points import EVENT_REQUESTED, PointRequest, SnapshotSource, po
 from pinned_eval.settings import PrefectApiSettings
 from tests.conftest import free_port
 from tests.reliability.netfaults import FaultyHTTPProxy, Rule, ScriptedServer
+from trainer_integration.admission import AdmissionView
 from trainer_integration.client import EvalClient
 from trainer_integration.events import Delivery, event_entry, skip_record_entry
-from trainer_integration.rest import PrefectRest, api_client, auth_headers
+from trainer_integration.rest import PointRun, PrefectRest, api_client, auth_headers
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry, TransientDeliveryError
 
 SOURCE = SnapshotSource(kind="hf", path="/ckpt/step_7", require_marker=False)
@@ -376,6 +377,27 @@ def test_admission_follows_the_servers_view_after_it_changes(tmp_path: Path, orc
         ok = client.dispatch(4, source=SOURCE)
         assert (ok.action, ok.in_flight, ok.admitted_offline) == ("requested", 0, False)
     assert threading.current_thread().name not in hook.threads
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
+def test_skip_policy_admits_up_to_exactly_the_bound(max_in_flight: int) -> None:
+    """`max_in_flight - 1` others in flight: admitted; `max_in_flight`: busy (never one slot early
+    or late)."""
+    view = AdmissionView("exp42", visible_timeout_s=60)
+
+    def decide(step: int, others: int, *, final: bool = False) -> tuple[str, int]:
+        runs = [PointRun(id=str(s), name=f"exp42/step-{s}", step=s, state_type="RUNNING", state_name="Running",
+                         message=None, created="2026-01-01T00:00:00Z") for s in range(100, 100 + others)]
+        view.refresh(runs, set())
+        verdict, n, _, offline = view.decide(step, final=final, policy="skip", max_in_flight=max_in_flight,
+                                             spooled=set, poll_s=0.01, wake=lambda: None)  # fmt: skip
+        assert not offline
+        return verdict, n
+
+    assert decide(1, max_in_flight - 1) == ("ok", max_in_flight - 1)
+    assert decide(2, max_in_flight) == ("busy", max_in_flight)
+    assert decide(3, max_in_flight + 1) == ("busy", max_in_flight + 1)
+    assert decide(4, 0) == ("ok", 0)
 
 
 # ---- direct runs, the event as fallback ----------------------------------------------------------
