@@ -6,14 +6,13 @@ import threading
 import uuid
 from unittest import mock
 
-import httpx
 import pytest
 from prefect import get_client
-from prefect.client.orchestration import PrefectClient
 
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.skips import EvalSkipped, SkipReason
 from tasks.admission import admitted, ensure_limit
+from tests.slots import SlotHolder, refusals
 
 pytestmark = pytest.mark.e2e
 
@@ -32,42 +31,12 @@ def test_skip_policy_skips_busy_when_full_and_final_waits(prefect_server: str) -
         assert info.value.reason == SkipReason.BUSY
 
     # the final point waits instead of skipping: the holder releases only once the final point's
-    # request for a slot was refused (423), so the order below proves the wait, not a duration
+    # request for a slot was refused (423), so the order proves the wait, not a duration
     order: list[str] = []
-    held, refused, release = threading.Event(), threading.Event(), threading.Event()
-    increment = PrefectClient.increment_concurrency_slots_with_lease
-
-    async def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        try:
-            return await increment(self, *args, **kwargs)
-        except httpx.HTTPStatusError as exc:
-            if exc.response.status_code == 423 and not refused.is_set():
-                order.append("final refused")
-                refused.set()
-            raise
-
-    def holder() -> None:
-        with admitted(run, 3, policy="skip", final=False, max_in_flight=1):
-            order.append("held")
-            held.set()
-            assert release.wait(60)
-            order.append("releasing")
-
-    t = threading.Thread(target=holder)
-    t.start()
-    try:
-        assert held.wait(60)
-        waiter = threading.Thread(target=lambda: refused.wait(60) and release.set())
-        waiter.start()
-        with (
-            mock.patch.object(PrefectClient, "increment_concurrency_slots_with_lease", recording),
-            admitted(run, 4, policy="skip", final=True, max_in_flight=1),
-        ):
+    with SlotHolder(run, 3, order) as holder, refusals(order, "final refused") as refused:
+        holder.release_when(refused)
+        with admitted(run, 4, policy="skip", final=True, max_in_flight=1):
             order.append("final admitted")
-    finally:
-        refused.set()
-        release.set()
-        t.join(60)
     assert order == ["held", "final refused", "releasing", "final admitted"]
     assert active_slots(inflight_limit_name(run)) == 0
 

@@ -182,7 +182,8 @@ def test_bad_dataset_row_is_refused_before_any_export(prefect_server: str, tmp_p
                                                "hf_base": str(tiny_model)}), return_state=True)
     assert state.is_failed() and "rows.jsonl: line 1" in state.message, state.message
     with get_client(sync_client=True) as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        run_id = FlowRunFilterId(any_=[state.state_details.flow_run_id])
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=run_id))
     assert [r.name for r in runs if r.name.startswith(("export", "check"))] == []
     assert list(env.staging_root.iterdir()) == [], "no snapshot was exported"
 
