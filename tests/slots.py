@@ -63,7 +63,7 @@ class Refusal(threading.Event):
 
 
 @contextmanager
-def refusals(order: list[str], label: str) -> Iterator[Refusal]:
+def refusals(order: list[Any], label: object) -> Iterator[Refusal]:
     """Record the first 423 (slot refused: the caller waits or skips) into `order` as `label`."""
     refused = Refusal()
     increment = PrefectClient.increment_concurrency_slots_with_lease
