@@ -15,17 +15,21 @@ Contract:
   fresh (no answer yet, or the last query failed) the point is admitted (`admitted_offline`;
   the flow's own global concurrency limit still bounds it) and spooled.
 - an in-loop export (`export(step, dest)`) writes into `<staging_root>/<run>/step_<step:08d>`,
-  is timed as `export_time_seconds`; a storage or converter failure of it
-  (`pinned_eval.snapshot.errors.EXPORT_ERRORS`) removes the partial output and records
-  `export_failed` at the step. An `s3://` staging root uses `storage_options`, else the saved
+  is timed as `export_time_seconds`; any exception the exporter raises (a storage or converter
+  failure, `pinned_eval.snapshot.errors.EXPORT_ERRORS`, or the exporter's own error, e.g. a
+  `ValueError`) removes the partial output, is logged at ERROR with its traceback and recorded as
+  `export_failed` at the step; `dispatch` returns `skipped_export_failed` with the exception in
+  `reason`, and the next dispatch exports again. An `s3://` staging root uses `storage_options`, else the saved
   staging block's endpoint and credentials (fetched once, by name, over the API).
 - every request is written ahead to the durable spool and sent by a background thread (the run
   created directly on the deployment, the event as fallback: `trainer_integration.events`), so a
-  non-waiting call costs the loop one fsync; `dispatch` never raises into training for storage or
-  API failures (logged, they become skip records; a spool that cannot be written, e.g. a full
-  disk, returns `skipped_spool_failed` with the reason); a programming or configuration error (a bad
-  argument, no `staging_root` for an in-loop export) raises. A step already requested or
-  recorded is not requested again.
+  non-waiting call costs the loop one fsync. `dispatch` never raises into training for anything
+  the point does (the exporter, storage, the API): those are logged and become skip records (a
+  spool that cannot be written, e.g. a full disk, returns `skipped_spool_failed` with the reason).
+  It raises `ValueError` only for a misuse of the call itself, found before anything is exported:
+  a negative step, a fleet point with neither a source nor an exporter, an in-loop export without
+  `staging_root`, an S3 `staging_root` whose saved staging block does not exist.
+  A step already requested or recorded is not requested again.
 - `report_progress(step)` publishes the trainer's step in the Variable the flow reads for
   `eval/lag_steps` (latest value wins, sent in the background).
 - `drain(timeout)`, `results()`, `best(metric)`, `wait_for(step)`: outcomes, read over REST and
@@ -204,6 +208,8 @@ class EvalClient(PointOutcomes):
         posture: Posture = Posture.FLEET,
     ) -> DispatchResult:
         t0 = time.monotonic()
+        if step < 0:
+            raise ValueError(f"step: must be >= 0, got {step}")
         if not self.due(step, final=final):
             return DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
         return self._dispatch_safe(step, source, final, export, posture, t0)
@@ -260,11 +266,16 @@ class EvalClient(PointOutcomes):
             e0 = time.monotonic()
             try:
                 export(step, dest)
-            except EXPORT_ERRORS as exc:  # storage or converter failure; a bug in `export` raises
+            # any error of the exporter, its own bugs included, is this point's skip: eval never
+            # crashes training (logged with its traceback, recorded, returned; never swallowed)
+            except Exception as exc:
                 log.exception("pinned-eval: in-loop export of %s step %d failed", self.run, step)
                 self._staging.delete(dest)
-                self._record_skip(step, None, final, posture, "export_failed", f"in-loop export: {exc!r}"[:500])
-                return DispatchResult(action="skipped_export_failed", stall_seconds=time.monotonic() - t0, **common)
+                why = f"in-loop export: {exc!r}"[:500]
+                self._record_skip(step, None, final, posture, "export_failed", why)
+                return DispatchResult(
+                    action="skipped_export_failed", reason=why, stall_seconds=time.monotonic() - t0, **common
+                )
             export_time = time.monotonic() - e0
             source = (
                 SnapshotSource(kind=SourceKind.LORA, path=dest, hf_base=self.lora_base)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
+from unittest import mock
 
 import pytest
 from prefect import get_client
@@ -12,6 +12,7 @@ from prefect import get_client
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.skips import EvalSkipped, SkipReason
 from tasks.admission import admitted, ensure_limit
+from tests.slots import SlotHolder, refusals
 
 pytestmark = pytest.mark.e2e
 
@@ -29,25 +30,27 @@ def test_skip_policy_skips_busy_when_full_and_final_waits(prefect_server: str) -
             pytest.fail("admitted past a full limit")
         assert info.value.reason == SkipReason.BUSY
 
-        # the final point waits instead of skipping: release the slot from another thread later
+    # the final point waits instead of skipping: the holder releases only once the final point's
+    # request for a slot was refused (423), so the order proves the wait, not a duration
     order: list[str] = []
-    hold = threading.Event()
+    with SlotHolder(run, 3, order) as holder, refusals(order, "final refused") as refused:
+        holder.release_when(refused)
+        with admitted(run, 4, policy="skip", final=True, max_in_flight=1):
+            order.append("final admitted")
+    assert order == ["held", "final refused", "releasing", "final admitted"]
+    assert active_slots(inflight_limit_name(run)) == 0
 
-    def holder() -> None:
-        with admitted(run, 3, policy="skip", final=False, max_in_flight=1):
-            order.append("held")
-            hold.wait(10)
-        order.append("released")
 
-    t = threading.Thread(target=holder)
-    t.start()
-    while "held" not in order:
-        time.sleep(0.05)
-    threading.Timer(1.0, hold.set).start()
-    with admitted(run, 4, policy="skip", final=True, max_in_flight=1):
-        order.append("final admitted")
-    t.join(10)
-    assert order == ["held", "released", "final admitted"]
+def test_skip_policy_admits_up_to_exactly_the_bound(prefect_server: str) -> None:
+    """With max_in_flight=2: one slot held, the next point is admitted; two held, it is busy."""
+    run = f"adm-bound-{uuid.uuid4().hex[:8]}"
+    with admitted(run, 1, policy="skip", final=False, max_in_flight=2):
+        with admitted(run, 2, policy="skip", final=False, max_in_flight=2):
+            assert active_slots(inflight_limit_name(run)) == 2
+            with pytest.raises(EvalSkipped) as info, admitted(run, 3, policy="skip", final=False, max_in_flight=2):
+                pytest.fail("admitted past a full limit")
+            assert info.value.reason == SkipReason.BUSY
+        assert active_slots(inflight_limit_name(run)) == 1
     assert active_slots(inflight_limit_name(run)) == 0
 
 
@@ -62,7 +65,6 @@ def test_existing_limit_size_is_kept(prefect_server: str) -> None:
 def test_points_starting_at_once_create_the_limit_once(prefect_server: str) -> None:
     """Every caller reads "not found" first, then all create: the losers must not fail."""
     from concurrent.futures import ThreadPoolExecutor
-    from unittest import mock
 
     from prefect.client.orchestration import SyncPrefectClient
 

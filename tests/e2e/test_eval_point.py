@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -18,10 +17,12 @@ from flows.eval_point import eval_point
 from pinned_eval.points import history_artifact_key, inflight_limit_name, progress_variable_name
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.snapshot.layout import RETIRED
+from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
 from tasks.admission import admitted
 from tests.conftest import free_port
 from tests.faults import RelabelingProxy
 from tests.pointkit import SLOW_SUITE, SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
+from tests.slots import SlotHolder, refusals
 from tests.wandb_offline import history_rows, metric_definitions, runs
 
 pytestmark = pytest.mark.e2e
@@ -68,6 +69,29 @@ def test_measured_point_pins_exactly_its_step(prefect_server: str, cpu_fleet, tm
     assert wandb_row == pytest.approx({k: v for r in rows for k, v in r.metrics.items()})
 
 
+def test_fleet_point_logs_pass_at_k_and_its_duration(
+    prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path
+) -> None:
+    """pass@k and `eval/duration_seconds` read back from a real fleet point's JSONL row. Greedy
+    decoding makes the 4 samples of a prompt identical, so every pass@k equals the mean reward."""
+    suite = EvalSuite(
+        datasets=(DatasetSpec(name="arith_add", path="builtin:arith_add.jsonl", max_prompts=4),),
+        defaults=SamplingDefaults(temperature=0.0, max_new_tokens=3, n_samples_per_prompt=4, reward="exact_match"),
+        pass_at_k=True,
+    )
+    fleet = FleetBlock(name="passk", mode="launch", state_file=str(cpu_fleet.state_file))
+    env = save_point_blocks(tmp_path, fleet, suite=suite, keep_snapshots=0)
+    before = time.monotonic()
+    state, _ = run_point(env, 8, source=staged(env, 8, tiny_model))
+    wall = time.monotonic() - before
+    assert state.name == "Completed", state.message
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    passk = {k: v for k, v in row.metrics.items() if "-pass@" in k}
+    assert sorted(passk) == ["eval/arith_add-pass@1", "eval/arith_add-pass@2", "eval/arith_add-pass@4"]
+    assert set(passk.values()) == {row.metrics["eval/arith_add"]}
+    assert 0 < row.metrics["eval/duration_seconds"] < wall
+
+
 def test_busy_under_skip_policy_is_a_skipped_point(point_env: PointEnv) -> None:
     with admitted(point_env.run, 1, policy="skip", final=False, max_in_flight=1):
         state, _ = run_point(
@@ -81,43 +105,33 @@ def test_busy_under_skip_policy_is_a_skipped_point(point_env: PointEnv) -> None:
 
 
 def test_final_point_waits_instead_of_skipping(point_env: PointEnv, tiny_model: Path) -> None:
+    """The slot is released only after the final point was refused one: it waited, then measured."""
     source = staged(point_env, 5, tiny_model)
-    release = threading.Event()
-
-    def hold() -> None:
-        with admitted(point_env.run, 4, policy="skip", final=False, max_in_flight=1):
-            release.wait(20)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    time.sleep(1.0)
-    threading.Timer(2.0, release.set).start()
-    state, _ = run_point(point_env, 5, source=source, policy="skip", max_in_flight=1, final=True)
-    t.join(20)
-    assert state.name == "Completed", state.message
-    assert [r.state for r in JsonlSink(point_env.jsonl).read(point_env.run)] == ["measured", "measured"]
+    order: list[str] = []
+    with SlotHolder(point_env.run, 4, order) as holder, refusals(order, "final refused") as refused:
+        holder.release_when(refused)
+        state, _ = run_point(point_env, 5, source=source, policy="skip", max_in_flight=1, final=True)
+        order.append(f"final {state.name}")
+    assert order == ["held", "final refused", "releasing", "final Completed"], state.message
+    rows = JsonlSink(point_env.jsonl).read(point_env.run)
+    assert [(r.step, r.state) for r in rows] == [(5, "measured")] * len(SMALL_SUITE.datasets)
 
 
 def test_backpressure_waits_then_measures(point_env: PointEnv, tiny_model: Path) -> None:
+    """Under backpressure a full limit is waited for (refused while held, admitted after the
+    release), and `eval/duration_seconds` counts the wait (miles: queued time counts)."""
     source = staged(point_env, 6, tiny_model)
-    release = threading.Event()
-    t = threading.Thread(target=lambda: _hold_slot(point_env.run, release))
-    t.start()
-    time.sleep(1.0)
-    threading.Timer(2.0, release.set).start()
-    started = time.monotonic()
-    state, _ = run_point(point_env, 6, source=source, policy="backpressure", max_in_flight=1)
-    t.join(20)
-    assert state.name == "Completed", state.message
+    order: list[str] = []
+    with SlotHolder(point_env.run, 0, order) as holder, refusals(order, "point refused") as refused:
+        holder.release_when(refused)
+        state, _ = run_point(point_env, 6, source=source, policy="backpressure", max_in_flight=1)
+        order.append(f"point {state.name}")
+    assert order == ["held", "point refused", "releasing", "point Completed"], state.message
     rows = JsonlSink(point_env.jsonl).read(point_env.run)
-    assert all(r.state == "measured" for r in rows)
-    # duration includes the wait in admission (miles: queued time counts)
-    assert rows[0].metrics["eval/duration_seconds"] <= time.monotonic() - started
-
-
-def _hold_slot(run: str, release: threading.Event) -> None:
-    with admitted(run, 0, policy="skip", final=False, max_in_flight=1):
-        release.wait(20)
+    assert [(r.step, r.state) for r in rows] == [(6, "measured")] * len(SMALL_SUITE.datasets)
+    # the point started before its refusal and ended after the release: its duration spans both
+    assert refused.at is not None and holder.released_at is not None
+    assert rows[0].metrics["eval/duration_seconds"] > holder.released_at - refused.at
 
 
 def test_missing_marker_and_truncated_shard_are_ckpt_missing(

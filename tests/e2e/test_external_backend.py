@@ -4,6 +4,7 @@ and the `evaluate_external` task inside real Prefect flow runs."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -241,6 +242,8 @@ class SerialProbe(CheckpointEvalFn):
     """Records its construction and every eval's begin/end (the pin and the eval of one version)."""
 
     events: ClassVar[list[tuple[str, str]]] = []
+    # set by the test: an eval holds the backend lock until the other point was refused it
+    other_waiting: ClassVar[threading.Event | None] = None
 
     def __init__(self, tag: str) -> None:
         SerialProbe.events.append(("init", tag))
@@ -250,7 +253,10 @@ class SerialProbe(CheckpointEvalFn):
 
         v = input.weight_version
         SerialProbe.events.append(("pin", v))
-        await asyncio.sleep(1.5)  # a second point interleaving here would re-pin this one
+        if SerialProbe.other_waiting is not None:  # a second point interleaving here would re-pin this one
+            await asyncio.to_thread(SerialProbe.other_waiting.wait, 120)
+        else:
+            await asyncio.sleep(1.5)
         SerialProbe.events.append(("evaluated", v))
         return EvalResults(
             data={
@@ -264,12 +270,12 @@ class SerialProbe(CheckpointEvalFn):
 def test_concurrent_external_points_serialize_on_one_backend_built_once(
     prefect_server: str, tiny_model: Path, tmp_path: Path
 ) -> None:
-    import threading
     import uuid
 
     from flows.eval_point import eval_point
     from pinned_eval.sinks import JsonlSink
     from tasks.external import backend_lock_name
+    from tests.slots import refusals
 
     env = _external_env(tmp_path)
     options = {"tag": uuid.uuid4().hex[:8]}  # a configuration no other test has built
@@ -287,11 +293,18 @@ def test_concurrent_external_points_serialize_on_one_backend_built_once(
 
     threads = [threading.Thread(target=point, args=(s,)) for s in (21, 22)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(240)
+        with refusals(SerialProbe.events, ("refused", "backend lock")) as refused:  # the other point's wait
+            SerialProbe.other_waiting = refused
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(240)
         assert all(s.name == "Completed" for s in states.values()), states  # type: ignore[attr-defined]
+        # the points did overlap: one asked for the backend lock while the other held it (its
+        # refusal comes before the first eval ended, which happens inside the lock)
+        refused = SerialProbe.events.index(("refused", "backend lock"))
+        assert refused < SerialProbe.events.index(next(e for e in SerialProbe.events if e[0] == "evaluated"))
+        SerialProbe.events.pop(refused)
         init, *evals = SerialProbe.events
         assert init == ("init", options["tag"]), "constructed once, by the first point"
         assert sorted(evals) == sorted([("pin", "21"), ("evaluated", "21"), ("pin", "22"), ("evaluated", "22")])
@@ -304,4 +317,5 @@ def test_concurrent_external_points_serialize_on_one_backend_built_once(
         measured = {(r.step, r.weight_version) for r in JsonlSink(env.jsonl).read(env.run)}
         assert measured == {(21, "21"), (22, "22")}
     finally:
+        SerialProbe.other_waiting = None
         BACKENDS.drop(f"{__name__}:SerialProbe", options)

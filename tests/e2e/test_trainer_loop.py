@@ -87,12 +87,17 @@ def test_training_loop_records_every_eval_step_once(
     assert not client.spool.pending()
     by_step = {o.step: o for o in outcomes}
     assert sorted(by_step) == eval_steps
-    for step, o in by_step.items():
-        assert o.flow_runs == 1, (step, o)
-        assert o.state in ("measured", "skipped"), (step, o)
-        if o.state == "skipped":
-            assert o.reason == "busy", o
-    assert by_step[STEPS - 1].state == "measured"  # the final point is never skipped
+    # exactly what the trainer decided: a requested point is measured, a busy one is skipped
+    # `busy` at that step with both slots taken; nothing is in flight before the first two
+    for r in dispatched:
+        o = by_step[r.step]
+        assert o.flow_runs == 1, (r, o)
+        if r.action == "requested":
+            assert (o.state, o.reason) == ("measured", None), (r, o)
+        else:
+            assert (r.action, r.in_flight, o.state, o.reason) == ("skipped_busy", 2, "skipped", "busy"), (r, o)
+    assert [r.action for r in dispatched[:2]] == ["requested", "requested"]
+    assert dispatched[-1].action == "requested"  # the final point is never skipped
     assert by_step[STEPS - 1].metrics  # per-dataset metrics read back from the JSONL sink
 
     runs = runs_of_deployment(deployed.deployment_id, point_env.run)

@@ -12,6 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from engine.launch import EngineArgs
+from engine.protocol import SamplingParams
 from engine.server import create_app
 
 
@@ -80,6 +81,14 @@ def test_every_sglang_sampling_key_is_accepted(client: TestClient) -> None:
     }  # fmt: skip
     out = gen(client, text="hello", sampling_params=params, some_unknown_top_level_key=1)
     assert isinstance(out, dict) and 1 <= out["meta_info"]["completion_tokens"] <= 3
+    # accepted means kept: every implemented key reaches the decoder with the value sent
+    parsed = SamplingParams.parse(params)
+    kept = {k: v for k, v in params.items() if v is not None and k not in ("stop_regex", "logit_bias")}
+    assert parsed.model_dump(include=set(kept)) == kept
+    assert (parsed.stop_regex, parsed.logit_bias) == (["qq+"], {5: 0.5})
+    # and honoured: the same seed at temperature 0.5 gives the same tokens again
+    again = gen(client, text="hello", sampling_params=params)
+    assert isinstance(again, dict) and again["output_ids"] == out["output_ids"]
 
 
 def test_single_response_shape(client: TestClient, model_dir: Path) -> None:

@@ -25,9 +25,10 @@ from pinned_eval.points import EVENT_REQUESTED, PointRequest, SnapshotSource, po
 from pinned_eval.settings import PrefectApiSettings
 from tests.conftest import free_port
 from tests.reliability.netfaults import FaultyHTTPProxy, Rule, ScriptedServer
+from trainer_integration.admission import AdmissionView
 from trainer_integration.client import EvalClient
 from trainer_integration.events import Delivery, event_entry, skip_record_entry
-from trainer_integration.rest import PrefectRest, api_client, auth_headers
+from trainer_integration.rest import PointRun, PrefectRest, api_client, auth_headers
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry, TransientDeliveryError
 
 SOURCE = SnapshotSource(kind="hf", path="/ckpt/step_7", require_marker=False)
@@ -224,6 +225,47 @@ def test_in_loop_adapter_exports_are_dispatched_as_lora_sources(tmp_path: Path):
     assert check_snapshot(source.path).complete  # the staged adapter, marker last
 
 
+def test_an_exporters_own_error_is_an_export_failed_skip_never_raised(tmp_path: Path):
+    """The dispatch contract (README, `trainer_integration.client`): whatever the exporter raises,
+    its own bugs included, is this point's `export_failed`; training is never crashed by eval."""
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    staging = tmp_path / "staging"
+
+    def buggy(step: int, dest: str) -> None:
+        Path(dest).mkdir(parents=True)
+        (Path(dest) / "model-00001.safetensors").write_bytes(b"partial")
+        raise ValueError("exporter bug: shape mismatch")
+
+    with EvalClient("exp42", dead, spool_dir=tmp_path / "spool", staging_root=staging) as client:
+        failed = client.dispatch(3, export=buggy)
+        ok = client.dispatch(4, export=lambda step, dest: Path(dest).mkdir(parents=True))
+    assert failed.action == "skipped_export_failed"
+    assert failed.reason == "in-loop export: ValueError('exporter bug: shape mismatch')"
+    assert not (staging / "exp42" / "step_00000003").exists()  # the partial output is removed
+    assert ok.action == "requested"  # the next point exports again
+    entries = Spool(tmp_path / "spool" / "exp42").pending()
+    assert [(e.kind, e.step) for e in entries] == [("skip_record", 3), ("event", 4)]
+    assert entries[0].body["state"]["message"] == (
+        "export_failed: step 3: in-loop export: ValueError('exporter bug: shape mismatch')"
+    )
+
+
+def test_dispatch_raises_only_for_a_misuse_of_the_call_before_any_export(tmp_path: Path):
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    exported: list[int] = []
+    with EvalClient("exp42", dead, spool_dir=tmp_path / "a", staging_root=tmp_path / "staging") as client:
+        with pytest.raises(ValueError, match=r"^step: must be >= 0, got -1$"):
+            client.dispatch(-1, export=lambda step, dest: exported.append(step))
+        with pytest.raises(ValueError, match="source: the 'fleet' posture needs a snapshot source"):
+            client.dispatch(1)
+    with (
+        EvalClient("exp42", dead, spool_dir=tmp_path / "b") as client,
+        pytest.raises(ValueError, match=r"^staging_root: an in-loop export needs"),
+    ):
+        client.dispatch(1, export=lambda step, dest: exported.append(step))
+    assert exported == []
+
+
 def test_trainer_integration_imports_without_prefect():
     code = (
         "import sys, trainer_integration.client, trainer_integration.spool, trainer_integration.events;"
@@ -335,6 +377,27 @@ def test_admission_follows_the_servers_view_after_it_changes(tmp_path: Path, orc
         ok = client.dispatch(4, source=SOURCE)
         assert (ok.action, ok.in_flight, ok.admitted_offline) == ("requested", 0, False)
     assert threading.current_thread().name not in hook.threads
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
+def test_skip_policy_admits_up_to_exactly_the_bound(max_in_flight: int) -> None:
+    """`max_in_flight - 1` others in flight: admitted; `max_in_flight`: busy (never one slot early
+    or late)."""
+    view = AdmissionView("exp42", visible_timeout_s=60)
+
+    def decide(step: int, others: int, *, final: bool = False) -> tuple[str, int]:
+        runs = [PointRun(id=str(s), name=f"exp42/step-{s}", step=s, state_type="RUNNING", state_name="Running",
+                         message=None, created="2026-01-01T00:00:00Z") for s in range(100, 100 + others)]
+        view.refresh(runs, set())
+        verdict, n, _, offline = view.decide(step, final=final, policy="skip", max_in_flight=max_in_flight,
+                                             spooled=set, poll_s=0.01, wake=lambda: None)  # fmt: skip
+        assert not offline
+        return verdict, n
+
+    assert decide(1, max_in_flight - 1) == ("ok", max_in_flight - 1)
+    assert decide(2, max_in_flight) == ("busy", max_in_flight)
+    assert decide(3, max_in_flight + 1) == ("busy", max_in_flight + 1)
+    assert decide(4, 0) == ("ok", 0)
 
 
 # ---- direct runs, the event as fallback ----------------------------------------------------------

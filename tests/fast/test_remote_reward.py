@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -122,23 +121,32 @@ async def test_client_errors_and_bad_bodies_are_not_retried(serve) -> None:
 
 
 async def test_requests_in_flight_stay_within_max_concurrency(serve) -> None:
-    lock = threading.Lock()
-    state = {"now": 0, "max": 0}
+    """The service holds each request until 3 are in flight at once (or every request arrived),
+    and the first 3 then give a 4th up to 0.5 s to show up (proving its absence costs that wait
+    once), so a client that sends fewer in parallel, or more, shows a peak other than exactly 3."""
+    items = ITEMS * 4
+    cond = threading.Condition()
+    state = {"now": 0, "max": 0, "arrived": 0, "full": False}
 
     def counted(body: bytes) -> tuple[int, dict[str, str], bytes]:
-        with lock:
+        with cond:
             state["now"] += 1
+            state["arrived"] += 1
             state["max"] = max(state["max"], state["now"])
-        time.sleep(0.05)
-        with lock:
+            first_wave = not state["full"]
+            state["full"] = state["full"] or state["now"] == 3
+            cond.notify_all()
+            # fallback timeout: only a broken client (fewer than 3 at once) ever waits it out
+            cond.wait_for(lambda: state["full"] or state["arrived"] == len(items), timeout=2)
+            if first_wave:  # a 4th at once would arrive now (the correct client never sends it)
+                cond.wait_for(lambda: state["now"] > 3, timeout=0.5)
             state["now"] -= 1
         return _exact(body)
 
     server = serve(counted)
-    items = ITEMS * 4
     rewards = await score_responses("remote_rm", items, _config(server, max_concurrency=3))
     assert len(rewards) == len(items) and len(server.requests) == len(items)
-    assert 1 <= state["max"] <= 3
+    assert state["max"] == 3
 
 
 async def test_in_process_rewards_get_metadata_through_the_same_entry_point() -> None:

@@ -68,6 +68,42 @@ def test_two_processes_appending_to_one_spool_lose_nothing(tmp_path: Path) -> No
         assert [e.step for e in pending if e.key.startswith(name)] == list(range(N))
 
 
+def test_two_spools_on_one_directory_have_one_deliverer_at_a_time(tmp_path: Path) -> None:
+    """Two trainer processes' spools on one directory: the second deliverer waits for the first's
+    exclusive `.lock`; every entry is delivered exactly once, in order."""
+    spool_dir = tmp_path / "s"
+    for i in (1, 2, 3):
+        Spool(spool_dir).append(_entry(i, f"k{i}"))
+    delivered: list[tuple[str, str]] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def first(entry: SpoolEntry) -> None:
+        delivered.append(("first", entry.key))
+        if entry.key == "k1":  # hold the first pass open, as a slow API would
+            inside.set()
+            assert release.wait(20)
+
+    a = Deliverer(Spool(spool_dir), first, backoff_s=(0.05, 0.1))
+    b = Deliverer(Spool(spool_dir), lambda e: delivered.append(("second", e.key)), backoff_s=(0.05, 0.1))
+    a.start()
+    try:
+        assert inside.wait(20)
+        assert b._acquire_dir() is False  # the directory is the first deliverer's
+        b.start()  # it keeps trying, and delivers nothing while the first holds the lock
+        release.set()
+        assert a.flush(20)
+    finally:
+        release.set()
+        a.stop()
+    try:
+        b.spool.append(_entry(4, "k4"))
+        b.kick()
+        assert b.flush(20)  # the first released the lock when it stopped
+    finally:
+        b.stop()
+    assert delivered == [("first", "k1"), ("first", "k2"), ("first", "k3"), ("second", "k4")]
+
+
 def test_corrupt_and_newer_format_entries_are_quarantined_and_delivery_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prefect import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.exceptions import ObjectNotFound
 from pydantic import ValidationError
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
@@ -170,12 +171,21 @@ def test_bad_dataset_row_fails_the_point_naming_file_line_and_key(
 
 @pytest.mark.e2e
 def test_bad_dataset_row_is_refused_before_any_export(prefect_server: str, tmp_path: Path, tiny_model: Path) -> None:
+    """Rows are read first (flows/eval_point.py: `load_datasets` before `export_snapshot`): a bad
+    row fails the point with no export task run and nothing written under staging, although the
+    source (the tiny model's own weights as a state dict) would export."""
     suite = _suite(tmp_path, [{"prompt": "1+1=", "label": {"no": 1}}])
     fleet = FleetBlock(name="early", mode="attach", engine_urls=["http://127.0.0.1:9"], router_url="http://127.0.0.1:9")
-    env = save_point_blocks(tmp_path, fleet, suite=suite)
-    state = eval_point(**env.params(8, source={"kind": "state_dict", "path": str(tmp_path / "missing.safetensors"),
+    env = save_point_blocks(tmp_path, fleet, suite=suite, keep_snapshots=5)
+    [weights] = sorted(tiny_model.glob("*.safetensors"))
+    state = eval_point(**env.params(8, source={"kind": "state_dict", "path": str(weights),
                                                "hf_base": str(tiny_model)}), return_state=True)
     assert state.is_failed() and "rows.jsonl: line 1" in state.message, state.message
+    with get_client(sync_client=True) as c:
+        run_id = FlowRunFilterId(any_=[state.state_details.flow_run_id])
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=run_id))
+    assert [r.name for r in runs if r.name.startswith(("export", "check"))] == []
+    assert list(env.staging_root.iterdir()) == [], "no snapshot was exported"
 
 
 @pytest.mark.e2e
