@@ -32,6 +32,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -82,6 +83,13 @@ class Cluster:
     api: dict[str, Proc] = field(default_factory=dict)  # replica host -> its server process
     workers: dict[str, Proc] = field(default_factory=dict)  # node -> its prefect worker
     fleets: dict[str, Path] = field(default_factory=dict)  # node -> fleet state file
+    timeline: list[tuple[str, float]] = field(default_factory=list)  # (phase done, seconds since start)
+    t0: float = field(default_factory=time.monotonic)
+
+    def mark(self, phase: str) -> None:
+        """Record that `phase` is done (`timeline.txt` under the root: where the start-up time goes)."""
+        self.timeline.append((phase, round(time.monotonic() - self.t0, 1)))
+        (self.root / "timeline.txt").write_text("".join(f"{t:7.1f}s {p}\n" for p, t in self.timeline))
 
     def addr(self, host: str) -> str:
         return self.net.hosts[host].addr
@@ -207,14 +215,21 @@ class Cluster:
         spec["deployments"] = deployments
         (op / "prefect.yaml").write_text(yaml.safe_dump(spec))
         template = write_job_template(op / "warm-job-template.json")
-        for args in (["block", "register", "-m", "blocks"],
-                     ["work-pool", "create", "pinned-eval", "--type", "process", "--overwrite",
-                      "--base-job-template", str(template)],
-                     ["--no-prompt", "deploy", "--all", "--prefect-file", str(op / "prefect.yaml")]):  # fmt: skip
-            out = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True,
-                                 text=True, timeout=300)  # fmt: skip
-            if out.returncode != 0:
-                raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+
+        def prefect(*args: str) -> subprocess.Popen[str]:
+            return subprocess.Popen([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+        pool = ("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite", "--base-job-template",
+                str(template))  # fmt: skip
+        # block types and the pool are independent; the deployments need the pool (its template)
+        for batch in ((("block", "register", "-m", "blocks"), pool),
+                      (("--no-prompt", "deploy", "--all", "--prefect-file", str(op / "prefect.yaml")),)):  # fmt: skip
+            procs = [(args, prefect(*args)) for args in batch]
+            for args, proc in procs:
+                out, _ = proc.communicate(timeout=300)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out}")
 
     def trainer_auth_file(self) -> Path:
         """A 0600 copy of the credential on the trainer host (`PINNED_EVAL_API_AUTH_FILE`)."""
@@ -309,9 +324,12 @@ def cluster(root: Path, model: Path) -> Iterator[Cluster]:
             c = Cluster(net, root, pg, auth, redis_password, "", model)
             fleet_ups = {node: c.start_fleet(node) for node in NODES}  # slowest: start first
             _start_redis(net, private_dir(root / "redis"), redis_password)
+            c.mark("postgres, redis")
             c.bucket = _start_s3(net, private_dir(root / "s3"))
+            c.mark("s3")
             first = c.start_replica("api1", migrate=True)  # one process migrates the schema
             c.wait_healthy(c.replica_url("api1"), first)
+            c.mark("api1 (migrations)")
             second = c.start_replica("api2", migrate=False)
             services = net.start("services", "services", [sys.executable, "-m", "prefect", "server", "services",
                                  "start"], env=c.server_env("services", migrate=False),
@@ -321,10 +339,12 @@ def cluster(root: Path, model: Path) -> Iterator[Cluster]:
             net.start("lb", "lb", lb, env=dict(os.environ, PYTHONPATH=str(REPO)), log=c.host_dir("lb") / "lb.log",
                       cwd=str(REPO))  # fmt: skip
             c.deploy()  # through the balancer, while api2 may still be starting
+            c.mark("deploy")
             for node, up in fleet_ups.items():
                 poll_until(lambda up=up: up.popen.poll() is not None, timeout_s=400, what=f"{node} fleet up")
                 if up.popen.returncode != 0:
                     raise RuntimeError(f"{node}: fleet up failed:\n{up.tail()}")
+            c.mark("fleets")
             warm = {node: c.start_warm(node) for node in NODES}
             for node, proc in warm.items():
                 sock = Path(c.worker_env(node)["PINNED_EVAL_WARM_SOCKET"])
@@ -333,9 +353,12 @@ def cluster(root: Path, model: Path) -> Iterator[Cluster]:
                 c.workers[node] = c.start_worker(node)
             c.wait_healthy(c.replica_url("api2"), second)
             _alive_or_raise(services)
+            c.mark("workers, api2")
             yield c
+            c.mark("used")
             c.stop_fleets()
             net.close()
+            c.mark("torn down")
     except BaseException:
         if c is not None:
             c.stop_fleets()

@@ -46,6 +46,7 @@ def scale_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) ->
     try:
         with cluster(tmp_path_factory.mktemp("scaleout"), tiny_model) as c:
             yield c
+        print("".join(f"{t:7.1f}s {p}\n" for p, t in c.timeline))
     except (NetnsUnavailableError, ServiceUnavailableError) as exc:
         pytest.skip(f"multi-host harness unavailable: {exc}")
 
@@ -76,6 +77,7 @@ def save_run_blocks(c: Cluster, node: str, tag: str) -> RunSetup:
     trainer = c.host_dir("trainer")
     config = {
         "run": run, "blocks": names, "policy": "skip", "max_in_flight": 2, "steps": STEPS, "step_seconds": 0.3,
+        "final": False,  # a final point waits for a slot, then runs: minutes on a loaded 2-core box
         "staging_root": f"s3://{c.bucket}/{run}", "spool_dir": str(trainer / "spool"),
         "deployment": f"eval-point/eval-point-{node}", "model": str(c.model), "out": str(trainer / f"{run}.out.json"),
         "drain_timeout_s": 240,
@@ -126,10 +128,12 @@ def test_two_trainers_two_fleets_through_replicas_one_replica_killed(scale_clust
     os.killpg(c.api["api1"].pid, signal.SIGKILL)
     c.api["api1"].popen.wait(30)
 
+    c.mark("replica api1 killed")
     for t in trainers:
         poll_until(lambda t=t: not t.alive(), timeout_s=420, what=lambda t=t: f"trainer {t.role}:\n{t.tail()}")
         assert t.popen.returncode == 0, t.tail()
 
+    c.mark("trainers done")
     windows = {}
     for r in runs:
         result = json.loads(Path(r.config["out"]).read_text())

@@ -1,6 +1,6 @@
 """A trainer process on the harness's trainer host: `python -m tests.scaleout.trainer CONFIG.json`.
 
-Dispatches one point per step (`steps` of them, the last final) with in-loop export of the tiny
+Dispatches one point per step (`steps` of them; the last one final when `final`) with in-loop export of the tiny
 model into the S3 staging root (credentials read from the staging block over the API), through
 `EvalClient` against `PREFECT_API_URL` (the load balancer) with the credential of
 `PINNED_EVAL_API_AUTH_FILE`; after each dispatch it rewrites `<out>.progress` with the number of
@@ -48,7 +48,8 @@ def main(config_path: str) -> None:
         for step in range(cfg["steps"]):
             pause.wait(cfg["step_seconds"])  # "training"
             client.report_progress(step)
-            dispatched.append(client.dispatch(step, final=step == cfg["steps"] - 1).model_dump(mode="json"))
+            final = cfg["final"] and step == cfg["steps"] - 1
+            dispatched.append(client.dispatch(step, final=final).model_dump(mode="json"))
             progress.write_text(str(step + 1))
         outcomes = client.drain(timeout=cfg["drain_timeout_s"])
     finally:
