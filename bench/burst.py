@@ -250,17 +250,23 @@ class LocalPostgres:
     port: int
     database: str = "prefect"
     user: str = "prefect"
+    host: str = "127.0.0.1"
+    password: str | None = field(default=None, repr=False)  # required over TCP when set
 
     @property
     def url(self) -> str:
-        """SQLAlchemy URL for `PREFECT_API_DATABASE_CONNECTION_URL`."""
-        return f"postgresql+asyncpg://{self.user}@127.0.0.1:{self.port}/{self.database}"
+        """SQLAlchemy URL for `PREFECT_API_DATABASE_CONNECTION_URL` (holds the password: an env value, never argv)."""
+        cred = f"{self.user}:{self.password}" if self.password else self.user
+        return f"postgresql+asyncpg://{cred}@{self.host}:{self.port}/{self.database}"
+
+    def client_env(self) -> dict[str, str]:
+        return dict(os.environ, PGPASSWORD=self.password) if self.password else dict(os.environ)
 
     def psql(self, sql: str) -> str:
         out = subprocess.run(
-            [str(self.bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user,
+            [str(self.bin_dir / "psql"), "-h", self.host, "-p", str(self.port), "-U", self.user,
              "-d", self.database, "-tAc", sql],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True, text=True, timeout=30, check=True, env=self.client_env(),
         )  # fmt: skip
         return out.stdout.strip()
 
@@ -276,8 +282,18 @@ def _as_owner(cmd: list[str]) -> list[str]:
 
 
 @contextmanager
-def running_postgres(port: int) -> Iterator[LocalPostgres]:
-    """initdb into a fresh temp dir, start on 127.0.0.1:`port` (socket in that dir), stop and remove at exit."""
+def running_postgres(
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    password: str | None = None,
+    clients: str | None = None,
+    wrap: Callable[[list[str]], list[str]] = lambda cmd: cmd,
+) -> Iterator[LocalPostgres]:
+    """initdb into a fresh temp dir, start on `host`:`port` (socket in that dir), stop and remove at exit.
+
+    With `password`, TCP logins need it (scram-sha-256) and `clients` (a CIDR) may log in over
+    TCP besides loopback; `wrap` prefixes the server's commands (e.g. `ip netns exec <ns>`)."""
     import pwd
 
     bin_dir = postgres_bin()
@@ -289,25 +305,35 @@ def running_postgres(port: int) -> Iterator[LocalPostgres]:
             shutil.rmtree(root)
             raise PostgresUnavailableError("running as root and there is no `postgres` user") from exc
         os.chown(root, owner.pw_uid, owner.pw_gid)
-    pg = LocalPostgres(bin_dir, root, port)
+    pg = LocalPostgres(bin_dir, root, port, host=host, password=password)
     data = root / "data"
     started = False
     try:
+        auth = ["--auth=trust"]
+        if password:
+            pwfile = root / "pwfile"
+            pwfile.write_text(password + "\n")
+            pwfile.chmod(0o600)
+            if os.geteuid() == 0:
+                os.chown(pwfile, owner.pw_uid, owner.pw_gid)
+            auth = ["--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}"]
         subprocess.run(
-            _as_owner([str(bin_dir / "initdb"), "-D", str(data), "-U", pg.user, "--auth=trust", "-E", "UTF8",
-                       "--no-sync"]),
+            _as_owner([str(bin_dir / "initdb"), "-D", str(data), "-U", pg.user, *auth, "-E", "UTF8", "--no-sync"]),
             capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
-        opts = f"-k {root} -h 127.0.0.1 -p {port} -c fsync=off -c max_connections=200"
+        if password and clients:
+            with open(data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {clients} scram-sha-256\n")
+        opts = f"-k {root} -h {host} -p {port} -c fsync=off -c max_connections=200"
         subprocess.run(
-            _as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "postgres.log"), "-w", "-t", "60",
-                       "-o", opts, "start"]),
+            wrap(_as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "postgres.log"), "-w",
+                            "-t", "60", "-o", opts, "start"])),
             capture_output=True, text=True, timeout=90, check=True,
         )  # fmt: skip
         started = True
         subprocess.run(
-            [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", pg.user, pg.database],
-            capture_output=True, text=True, timeout=30, check=True,
+            [str(bin_dir / "createdb"), "-h", host, "-p", str(port), "-U", pg.user, pg.database],
+            capture_output=True, text=True, timeout=30, check=True, env=pg.client_env(),
         )  # fmt: skip
         yield pg
     finally:

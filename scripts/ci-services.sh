@@ -4,11 +4,14 @@
 # - PostgreSQL server binaries (Debian `postgresql`) for tests/reliability/test_scale_out.py,
 #   which starts its own throwaway cluster on 127.0.0.1 (initdb into a temp dir). Nothing is
 #   started here: Debian's default cluster is not created, so no server listens on 5432.
+# - Redis server binaries (Debian `redis-server`) for the multi-host harness (tests/scaleout/),
+#   which starts its own redis-server inside a network namespace. The package's service is kept
+#   from starting while it installs (policy-rc.d), so nothing listens on 6379.
 # - Chromium (Debian `chromium`, /usr/bin/chromium) for the UI check of tests/e2e/test_demo.py,
 #   driven headless by playwright; that test fails when no browser is found.
 #
 # Without root (or apt-get) nothing is installed: the scale-out test skips with its reason and
-# the UI test fails with the missing browser named.
+# the UI test fails with the missing browser named; the multi-host harness skips, naming redis-server.
 set -euo pipefail
 
 have_postgres() {
@@ -50,6 +53,22 @@ else
   fi
   apt-get install -y -qq --no-install-recommends postgresql >/dev/null
   have_postgres && echo "ci-services: PostgreSQL installed: $(ls -d /usr/lib/postgresql/*/bin | tail -1)"
+fi
+
+if command -v redis-server >/dev/null 2>&1; then
+  echo "ci-services: redis-server present: $(command -v redis-server)"
+elif ! can_apt; then
+  echo "ci-services: redis-server not installed and cannot apt-get here; the multi-host harness will skip" >&2
+else
+  apt_update
+  policy=/usr/sbin/policy-rc.d
+  own_policy=0
+  if [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && own_policy=1
+  fi
+  apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  [[ $own_policy -eq 1 ]] && rm -f "$policy"
+  command -v redis-server >/dev/null 2>&1 && echo "ci-services: redis-server installed: $(command -v redis-server)"
 fi
 
 if have_chromium; then
