@@ -158,8 +158,9 @@ class SuiteSpec(_Spec):
             if not ds.path.is_file():
                 raise SpecError("dataset" if self.dataset else "from_yaml",
                                 f"dataset {ds.name!r}: {ds.path}: no such file")  # fmt: skip
-        deadline = {"point_timeout_seconds": self.point_timeout} if self.point_timeout else {}
-        return EvalSuiteBlock(suite=suite, **deadline)
+        if self.point_timeout:
+            return EvalSuiteBlock(suite=suite, point_timeout_seconds=self.point_timeout)
+        return EvalSuiteBlock(suite=suite)
 
 
 def _key_file(key: str, path: Path | None) -> Any:
