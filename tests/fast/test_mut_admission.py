@@ -1,20 +1,27 @@
-"""The trainer-side admission view (trainer_integration/admission.py), decision by decision.
+"""The trainer-side admission (trainer_integration/admission.py, admission_sync.py), decision by decision.
 
-No I/O: the view is fed the server's answers by hand (`refresh`), as the admission thread does.
+The view is fed the server's answers by hand (`refresh`), as the admission thread does; the thread
+itself queries a real `POST /flow_runs/filter` on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, SnapshotSource
 from trainer_integration.admission import AdmissionView
+from trainer_integration.admission_sync import AdmissionSync
 from trainer_integration.events import event_entry, run_request_entry, skip_record_entry
-from trainer_integration.rest import PointRun
+from trainer_integration.export_target import ExportTarget
+from trainer_integration.rest import PointRun, PrefectRest
+from trainer_integration.spool import SpoolEntry
 
 BLOCKS = BlockNames()
 
@@ -190,3 +197,111 @@ def test_offline_admission_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     assert [r.getMessage() for r in caplog.records] == [
         "pinned-eval: exp step 8 admitted without a fresh view of the API"
     ]
+
+
+# ---- the admission thread (trainer_integration/admission_sync.py) against a real loopback API ----
+
+
+class _FlowRunsApi:
+    """`POST /flow_runs/filter` on 127.0.0.1 answering `runs`; counts the queries it answered."""
+
+    def __init__(self, runs: list[dict]) -> None:
+        self.runs = runs
+        self.queries = 0
+        self.answered = threading.Condition()
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.dumps(api.runs).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                with api.answered:
+                    api.queries += 1
+                    api.answered.notify_all()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _FlowRunsApi:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/api"
+
+    def wait_queries(self, n: int, timeout: float) -> bool:
+        with self.answered:
+            return self.answered.wait_for(lambda: self.queries >= n, timeout)
+
+
+def _raw_run(step: int, state: str) -> dict:
+    return {
+        "id": f"id{step}",
+        "name": f"exp-{step}",
+        "parameters": {"run": "exp", "step": step},
+        "state": {"type": state, "name": state.title()},
+        "created": f"2026-01-01T00:00:0{step}Z",
+    }
+
+
+def _sync(api: _FlowRunsApi, view: AdmissionView, enqueued: list[SpoolEntry], *, idle_sync_s: float = 30):
+    rest = PrefectRest(api.url, httpx.Client(timeout=5))
+    return AdmissionSync(
+        "exp",
+        rest,
+        view,
+        ExportTarget(None, None),
+        BLOCKS,
+        spooled=set,
+        enqueue=enqueued.append,
+        poll_s=30,
+        idle_sync_s=idle_sync_s,
+    )
+
+
+def test_refresh_hands_a_lost_request_back_to_the_spool_as_a_direct_run() -> None:
+    view = AdmissionView("exp", visible_timeout_s=0)
+    request = _request(5)
+    view.note(event_entry(request, BLOCKS))
+    view.sent(request)
+    enqueued: list[SpoolEntry] = []
+    with _FlowRunsApi([_raw_run(1, "RUNNING")]) as api:
+        sync = _sync(api, view, enqueued)
+        assert sync.refresh() == {1, 5}
+    assert enqueued == [run_request_entry(request, BLOCKS)]
+    assert view.fresh is True
+
+
+def test_wait_fresh_gives_up_after_its_timeout() -> None:
+    view = AdmissionView("exp", visible_timeout_s=60)
+    with _FlowRunsApi([]) as api:
+        sync = _sync(api, view, [])  # never started: nothing refreshes the view
+        assert sync.wait_fresh(0.05) is False
+
+
+def test_an_idle_thread_still_queries_every_idle_sync_interval() -> None:
+    view = AdmissionView("exp", visible_timeout_s=60)
+    with _FlowRunsApi([_raw_run(1, "COMPLETED")]) as api:
+        sync = _sync(api, view, [], idle_sync_s=0.05)
+        sync.start()
+        try:
+            sync.wait_first(30)
+            assert view.fresh is True and view.active() is False
+            assert api.wait_queries(3, 30), f"only {api.queries} queries while idle"
+        finally:
+            sync.stop()
+            sync.join(30)
+    assert view.fresh is False  # an ended thread leaves the view stale: admission admits offline

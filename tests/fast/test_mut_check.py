@@ -1,0 +1,1 @@
+"""Placeholder: `make mutants` killers for check (docs/testing.md)."""

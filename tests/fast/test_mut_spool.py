@@ -1,0 +1,1 @@
+"""Placeholder: `make mutants` killers for spool (docs/testing.md)."""
