@@ -305,3 +305,19 @@ def test_an_idle_thread_still_queries_every_idle_sync_interval() -> None:
             sync.stop()
             sync.join(30)
     assert view.fresh is False  # an ended thread leaves the view stale: admission admits offline
+
+
+def test_wait_first_and_join_give_up_after_their_timeouts() -> None:
+    view = AdmissionView("exp", visible_timeout_s=60)
+    with _FlowRunsApi([]) as api:
+        sync = _sync(api, view, [])
+        sync.wait_first(0.05)  # never started: returns at its timeout
+        sync.start()
+        try:
+            sync.wait_first(30)
+            sync.join(0.05)  # the thread idles for 30 s: join returns at its timeout, the thread lives on
+            assert sync._thread.is_alive()
+        finally:
+            sync.stop()
+            sync.join(30)
+        assert not sync._thread.is_alive()
