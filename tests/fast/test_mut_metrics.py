@@ -69,3 +69,17 @@ def test_a_reward_at_the_threshold_passes_and_none_never_does() -> None:
     assert (m["eval/ds-pass@1"], m["eval/ds-pass@2"]) == (0.5, 1.0)
     none_only = [ScoredSample(0, j, "r", 1, None, False, "1") for j in range(2)]
     assert dataset_metrics("ds", none_only, pass_at_k=True, pass_threshold=0.0)["eval/ds-pass@2"] == 0.0
+
+
+def test_score_keeps_every_field_of_the_response() -> None:
+    sample = ScoredSample.score(
+        lambda response, label: 0.25,
+        prompt_index=3,
+        sample_index=1,
+        response="forty-two",
+        label="42",
+        response_len=9,
+        finish_reason="stop",
+        weight_version="17",
+    )
+    assert sample == ScoredSample(3, 1, "forty-two", 9, 0.25, False, "17")
