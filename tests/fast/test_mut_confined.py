@@ -4,6 +4,7 @@ and the deletes and writes below a root (`make mutants` killers, docs/testing.md
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def test_a_missing_root_and_a_private_one_pass(tmp_path: Path) -> None:
     sticky.mkdir()
     sticky.chmod(0o1777)
     confined.check_root(str(sticky))
+    confined.check_root("/")  # root's own directory: trusted by any user (a mutant killed only when not root)
 
 
 def test_each_unsafe_root_is_refused_with_its_reason(tmp_path: Path) -> None:
@@ -119,10 +121,35 @@ def test_the_marker_goes_before_the_tree(tmp_path: Path, monkeypatch: pytest.Mon
     snap.mkdir()
     (snap / ".complete").write_text("")
     (snap / "w.bin").write_bytes(b"w")
-    seen: list[list[str]] = []
-    monkeypatch.setattr(confined, "before_delete", lambda fd, name: seen.append(sorted(os.listdir(snap))))
+    seen: list[tuple[list[str], str, list[str]]] = []
+
+    def hook(parent_fd: int, name: str) -> None:  # the parent's descriptor and the name about to go
+        seen.append((sorted(os.listdir(parent_fd)), name, sorted(os.listdir(snap)) if snap.exists() else []))
+
+    monkeypatch.setattr(confined, "before_delete", hook)
     confined.remove_below(str(root), ["snap"], first=".complete")
-    assert seen == [["w.bin"]] and not snap.exists()
+    assert seen == [(["snap"], "snap", ["w.bin"])] and not snap.exists()
+    (root / "note").write_text("n")
+    confined.remove_below(str(root), ["note"])
+    assert seen[1] == (["note"], "note", []) and list(root.iterdir()) == []
+
+
+def test_a_tree_without_its_marker_is_still_removed(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    (root / "snap").mkdir()
+    (root / "snap" / "w.bin").write_bytes(b"w")
+    confined.remove_below(str(root), ["snap"], first=".complete")
+    assert list(root.iterdir()) == []
+
+
+def test_a_tree_another_retirer_removed_first_is_done_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _root(tmp_path)
+    (root / "snap").mkdir()
+    monkeypatch.setattr(confined, "before_delete", lambda fd, name: shutil.rmtree(name, dir_fd=fd))
+    confined.remove_below(str(root), ["snap"])
+    assert list(root.iterdir()) == []
 
 
 def test_write_below_writes_in_place_and_reports_a_gone_directory(tmp_path: Path) -> None:
