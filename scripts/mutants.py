@@ -48,16 +48,16 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     ("trainer_integration.admission", "trainer_integration/admission.py", (*_EVAL_CLIENT, "test_mut_admission")),
     ("pinned_eval.scoring.metrics", "pinned_eval/scoring/metrics.py", ("test_metrics", "test_mut_metrics")),
-    ("trainer_integration.spool", "trainer_integration/spool.py", (*_EVAL_CLIENT, "test_mut_spool")),
+    ("trainer_integration.spool", "trainer_integration/spool.py", _EVAL_CLIENT),
     (
         "pinned_eval.snapshot.check",
         "pinned_eval/snapshot/check.py",
-        ("test_snapshot_check", "test_sec_snapshot_metadata", "test_staging_paths", "test_mut_check"),
+        ("test_snapshot_check", "test_sec_snapshot_metadata", "test_staging_paths"),
     ),
     (
         "pinned_eval.snapshot.staging",
         "pinned_eval/snapshot/staging.py",
-        ("test_staging_paths", "test_sec_staging", "test_sec_payloads", "test_eval_client", "test_mut_staging"),
+        ("test_staging_paths", "test_sec_staging", "test_sec_payloads", "test_eval_client"),
     ),
 ]
 

@@ -321,3 +321,20 @@ def test_wait_first_and_join_give_up_after_their_timeouts() -> None:
             sync.stop()
             sync.join(30)
         assert not sync._thread.is_alive()
+
+
+def test_a_step_seen_once_stays_known_when_a_later_answer_omits_it() -> None:
+    view = AdmissionView("exp", visible_timeout_s=60)
+    view.seen({4})
+    view.refresh([_run(9, "RUNNING")], set())
+    assert _decide(view, 4, max_in_flight=5) == ("exists", 1, 0.0, False)
+
+
+def test_every_requested_step_is_counted_whatever_comes_before_it() -> None:
+    view = AdmissionView("exp", visible_timeout_s=0)
+    for step in (1, 2, 3):
+        view.note(event_entry(_request(step), BLOCKS))
+    view.seen({1})  # known: not counted from the requests
+    # step 2 is past the visibility timeout and not spooled (not in flight); step 3 is still spooled
+    assert view.refresh([], {3}) == ({3}, [])
+    assert _decide(view, 4, max_in_flight=1, spooled={3}) == ("busy", 1, 0.0, False)

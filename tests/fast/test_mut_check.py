@@ -1,1 +1,0 @@
-"""Placeholder: `make mutants` killers for check (docs/testing.md)."""

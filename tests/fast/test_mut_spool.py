@@ -1,1 +1,0 @@
-"""Placeholder: `make mutants` killers for spool (docs/testing.md)."""
