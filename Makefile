@@ -1,5 +1,5 @@
 # The two commands a new user needs: `make demo` and `make test`.
-.PHONY: setup services demo test lint bench clean
+.PHONY: setup services demo test lint bench mutants clean
 
 setup:
 	./scripts/setup.sh
@@ -22,5 +22,9 @@ lint: setup
 bench: setup
 	.venv/bin/python -m bench
 
+# mutation testing of the invariant modules (docs/testing.md); not part of `make test`: tens of minutes
+mutants: setup
+	.venv/bin/python scripts/mutants.py
+
 clean:
-	rm -rf .venv .pytest_cache .import_linter_cache build *.egg-info
+	rm -rf .venv .pytest_cache .import_linter_cache build *.egg-info mutants
