@@ -141,7 +141,7 @@ def check_blocks(client: SyncPrefectClient, blocks: BlockNames) -> None:
         except ObjectNotFound:
             missing.append(f"--{field}: no {slug} block named {name!r}")
     if missing:
-        fail("; ".join(missing) + "; nothing was sent. Save the blocks first (`pinned-eval blocks --help`), "
+        fail("; ".join(missing) + "; nothing was sent. Save the blocks first (`pinned-eval block save --help`), "
              "or name saved ones", 2)  # fmt: skip
 
 

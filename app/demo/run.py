@@ -109,7 +109,10 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
             stack.deploy()
             stack.worker_up()
             table = _train_and_evaluate(opts, home, base, server.api_url, say)
+            comparison = _compare_last_two(table)
         say(render_table(table))
+        for line in comparison:
+            say(line)
         say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N; "
             f"log in with the contents of {stack.auth_file})")
         say(f"The history stays in {stack.home}: `pinned-eval status --run {RUN}` (after `pinned-eval server up` "
@@ -159,8 +162,20 @@ def _save_blocks(home: Path, base: Path) -> FleetBlock:
     # the baseline point reads the base model (an `hf` source): its directory is a source root
     StagingBlock(root=str(home / "staging"), keep_snapshots=2, source_roots=[str(base)]).save(BLOCKS.staging,
                                                                                                overwrite=True)
-    SinksBlock(jsonl_path=str(home / "metrics.jsonl")).save(BLOCKS.sinks, overwrite=True)
+    SinksBlock(jsonl_path=str(home / "metrics.jsonl"), results_root=str(home / "results")).save(
+        BLOCKS.sinks, overwrite=True
+    )
     return fleet
+
+
+def _compare_last_two(table: list[dict[str, object]]) -> list[str]:
+    """The examples that flipped between the last two measured steps, and where the samples are."""
+    from app.commands.results import demo_summary  # pyarrow: only when the demo runs
+
+    measured = [int(str(r["step"])) for r in table if r["state"] == "measured"]
+    if len(measured) < 2:
+        return []
+    return ["", *demo_summary(RUN, measured[-2], measured[-1], sinks=BLOCKS.sinks)]
 
 
 def _train_and_evaluate(

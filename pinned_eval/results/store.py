@@ -1,10 +1,10 @@
 """Where a run's results live: `<root>/<run>/step_<step:08d>/{generations,samples}.parquet`.
 
 Invariants:
-- paths are built from the run name through the staging layout's mapping (`RUN_RE`, the same
-  `<run>/step_<step:08d>` directories as `Staging.path_for`), never by joining raw strings: a run
-  name that does not match `RUN_PATTERN` (a `/`, `..`, a newline) raises `ResultsPathError`
-  before anything is opened;
+- paths are built from the run name through the staging layout's mapping (`run_key`, the same
+  `<run_key>/step_<step:08d>` directories as `Staging.path_for`), never by joining raw strings: a
+  refused run name (a `/`, `..`, a newline) raises `ResultsPathError` before anything is opened,
+  and two runs never share a directory, even on a case-folding filesystem (`Exp42` vs `exp42`);
 - local files are written 0600 in directories 0700 (created with that mode, whatever the umask),
   through a temporary file renamed into place, so a reader sees a whole file or the previous one;
 - an S3 root is written and read with the staging block's endpoint and credentials
@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pinned_eval.points import RUN_PATTERN, RUN_RE
+from pinned_eval.points import run_key
 from pinned_eval.snapshot.layout import is_local, join, resolve, to_url
 
 GENERATIONS = "generations.parquet"
@@ -36,11 +36,13 @@ class ResultsPathError(ValueError):
 
 def step_parts(run: str, step: int) -> tuple[str, str]:
     """The two path components of (run, step) below the root, as staging names them."""
-    if not RUN_RE.match(run):
-        raise ResultsPathError(f"run {run!r} must match {RUN_PATTERN}")
+    try:
+        key = run_key(run)
+    except ValueError as exc:
+        raise ResultsPathError(str(exc)) from None
     if step < 0:
         raise ResultsPathError(f"step must be >= 0, got {step}")
-    return run, f"step_{step:08d}"
+    return key, f"step_{step:08d}"
 
 
 class ResultsStore:

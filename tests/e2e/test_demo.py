@@ -100,6 +100,10 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
         for r in measured:
             assert float(r["weight_version"]) == int(r["step"]), r
         first, last = measured[0], measured[-1]
+        # its end: the examples that flipped between the last two points, and where their samples are
+        samples = tmp_path / "demo" / "results" / "demo" / "step_00000700" / "samples.parquet"
+        assert "run demo: step 600 (A) vs step 700 (B)" in text and f"samples of step 700: {samples}" in text, text
+        assert samples.is_file()
         assert float(last["arith_add"]) >= float(first["arith_add"]) + 0.2, f"no visible climb:\n{text}"
         auth_file = tmp_path / "api-auth"  # the home's: the demo runs on the home's stack
         _add_skipped_and_failed_runs(ui.removesuffix("/runs") + "/api", tmp_path, auth_file)

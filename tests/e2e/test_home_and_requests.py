@@ -73,7 +73,7 @@ def test_a_fresh_home_refuses_bad_requests_before_sending_and_keeps_its_server_p
     assert (no_blocks.returncode, no_blocks.stderr.strip()) == (2, (
         "error: --suite: no pinned-eval-suite block named 'default'; --fleet: no pinned-eval-fleet block named "
         "'gpu-node'; --staging: no pinned-eval-staging block named 'default'; --sinks: no pinned-eval-sinks block "
-        "named 'default'; nothing was sent. Save the blocks first (`pinned-eval blocks --help`), or name saved ones"
+        "named 'default'; nothing was sent. Save the blocks first (`pinned-eval block save --help`), or name saved ones"
     ))  # fmt: skip
 
     with prefect_rest_client(f"{ui}/api", headers={"Authorization": _basic(credential)}) as rest:

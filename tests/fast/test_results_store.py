@@ -53,9 +53,17 @@ def test_local_files_are_private(tmp_path: Path) -> None:
 @pytest.mark.parametrize("run", ["../x", "a/b", "exp\n", "..", ".hidden", ""])
 def test_run_names_that_are_not_run_names_are_refused(tmp_path: Path, run: str) -> None:
     store = ResultsStore(str(tmp_path))
-    with pytest.raises(ResultsPathError, match="must match"):
+    with pytest.raises(ResultsPathError, match="is refused: a run name is 1 to 63 letters"):
         store.write(run, 1, SAMPLES, _samples({0: 1.0}))  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_differing_only_in_case_never_share_a_directory(tmp_path: Path) -> None:
+    store = ResultsStore(str(tmp_path))
+    store.write("Exp42", 1, SAMPLES, _samples({0: 1.0}))  # type: ignore[arg-type]
+    store.write("exp42", 1, SAMPLES, _samples({0: 0.0}))  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.xp42", "exp42"]
+    assert store.url("qwen3-8b-v1.2", 7, SAMPLES) == str(tmp_path / "qwen3-8b-v1_.2" / "step_00000007" / SAMPLES)
 
 
 def test_a_symlinked_run_dir_is_refused(tmp_path: Path) -> None:
