@@ -2,7 +2,9 @@
 
 Invariants: every delete is confined to `root`; a point reads its source only under `root` or
 `source_roots` (`pinned_eval.source_roots`); S3 credentials are secret fields, never flow
-parameters; `keep_snapshots` owned snapshots per run survive for reruns (the keep-ring).
+parameters; `keep_snapshots` owned snapshots per run survive for reruns (the keep-ring);
+with `keep_best` > 0 the snapshots of the run's best `keep_best` measured steps by
+`keep_best_metric` (read from the sinks block's JSONL file) survive beside the ring.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.sinks import JsonlSink
+from pinned_eval.snapshot.keep_best import KeepBestMode, best_steps
 from pinned_eval.snapshot.layout import s3_storage_options
 from pinned_eval.snapshot.staging import Staging
 
@@ -38,6 +42,13 @@ class StagingBlock(Block):
     keep_snapshots: int = Field(
         default=2, ge=0, le=1000, description="Owned snapshots kept per run after their point settles."
     )
+    keep_best: int = Field(
+        default=0, ge=0, le=1000, description="Also keep the snapshots of the run's best K measured steps (0: off)."
+    )
+    keep_best_metric: str | None = Field(
+        default=None, min_length=1, description="Metric ranking the steps for `keep_best`, e.g. `eval/gsm8k`."
+    )
+    keep_best_mode: KeepBestMode = Field(default="max", description="`max`: highest value is best; `min`: lowest.")
     endpoint_url: str | None = Field(default=None, description="S3 endpoint URL (MinIO, moto, ...).")
     region_name: str | None = Field(default=None, description="S3 region.")
     aws_access_key_id: SecretStr | None = Field(default=None, description="S3 access key id.")
@@ -63,6 +74,24 @@ class StagingBlock(Block):
             if not (root.startswith(("s3://", "s3a://")) or os.path.isabs(root)):
                 raise ValueError(f"source_roots[{i}]: {root!r} is neither an absolute path nor s3://bucket/prefix")
         return roots
+
+    @model_validator(mode="after")
+    def _keep_best_needs_a_metric(self) -> StagingBlock:
+        if self.keep_best > 0 and self.keep_best_metric is None:
+            raise ValueError(f"keep_best_metric: required when keep_best > 0 (keep_best={self.keep_best})")
+        return self
+
+    def protected_steps(self, run: str, jsonl_path: str | None) -> frozenset[int] | None:
+        """The steps `Staging.retire` must keep beyond the ring: the run's best `keep_best` measured
+        steps by `keep_best_metric` in the JSONL file; None when `keep_best` is off. Raises
+        ValueError naming the field when `keep_best` is on and there is no JSONL file to rank from."""
+        if not self.keep_best:
+            return None
+        if not jsonl_path:
+            raise ValueError("keep_best: ranks steps from the sinks block's jsonl_path, which is not set")
+        assert self.keep_best_metric is not None  # validated above
+        rows = JsonlSink(jsonl_path).read(run)
+        return best_steps(rows, run, self.keep_best_metric, self.keep_best, self.keep_best_mode)
 
     def all_source_roots(self) -> list[str]:
         """Where a point's source may lie: the staging root, then `source_roots`."""
@@ -90,4 +119,5 @@ class StagingBlock(Block):
             keep_snapshots=self.keep_snapshots,
             cache_dir=Path(self.cache_dir) if self.cache_dir else None,
             cache_max_bytes=self.cache_max_bytes,
+            keep_best=self.keep_best,
         )

@@ -70,11 +70,13 @@ def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
     params = flow_run.parameters
     run, step = params["run"], int(params["step"])
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
-    if source is not None and source.owned:
-        staging = load_block(StagingBlock, params.get("staging", "default")).staging()
-        staging.retire(staging.path_for(run, step), owned=True)
-
     sinks = load_block(SinksBlock, params.get("sinks", "default"))
+    if source is not None and source.owned:
+        staging_block = load_block(StagingBlock, params.get("staging", "default"))
+        staging = staging_block.staging()
+        protect = staging_block.protected_steps(run, sinks.jsonl_path)  # best K by a metric
+        staging.retire(staging.path_for(run, step), owned=True, protect=protect)
+
     if sinks.jsonl_path:
         JsonlSink(sinks.jsonl_path).write_point(
             skip_rows(run, step, SkipReason.CRASHED, state.message or "crashed", failed=True)
@@ -163,7 +165,9 @@ def eval_point(
         if store is not None:
             snapshot = snapshot or _owned_but_not_adopted(source, store, run, step)
             if snapshot is not None:
-                retire_snapshot(snapshot, store)
+                assert sinks_block is not None  # loaded before the store
+                protect = staging_block.protected_steps(run, sinks_block.jsonl_path)  # best K by a metric
+                retire_snapshot(snapshot, store, protect)
 
 
 class _PastDeadline(TimeoutError):

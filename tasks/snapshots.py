@@ -15,7 +15,8 @@ Contract:
   credentials (also for `hf` sources on S3); an S3 snapshot is then materialized
   into the engine-visible local cache and `Snapshot.local_path` is set.
 - `retire_snapshot` runs in the flow's `finally` and the `on_crashed` hook: owned snapshots
-  enter the run's keep-ring, anything else is left alone.
+  enter the run's keep-ring (the retired snapshots of `protect`'s steps, the run's best K, stay
+  beyond it), anything else is left alone.
 """
 
 from __future__ import annotations
@@ -133,9 +134,9 @@ def check_snapshot_task(snapshot: Snapshot, staging: Staging, s3_options: dict[s
 
 
 @task(cache_policy=NO_CACHE, task_run_name="retire")
-def retire_snapshot(snapshot: Snapshot, staging: Staging) -> RetireResult:
+def retire_snapshot(snapshot: Snapshot, staging: Staging, protect: frozenset[int] | None = None) -> RetireResult:
     try:
-        result = staging.retire(snapshot.path, owned=snapshot.owned)
+        result = staging.retire(snapshot.path, owned=snapshot.owned, protect=protect)
     except StagingPathError as exc:
         # never delete outside staging; the refusal is logged and the point's outcome stands
         get_run_logger().error("refused to retire %s: %s", snapshot.path, exc)

@@ -17,6 +17,10 @@ Layout: `<root>/<run>/step_<step:08d>/` holds one snapshot. Invariants:
   `keep_snapshots` retired snapshots (by step) are kept for reruns, older retired ones deleted;
   snapshots not yet retired (points still running) are never touched; `keep_snapshots=0` deletes
   at once;
+- best-K retention (`keep_best > 0`): `retire(..., protect=steps)` also keeps every retired
+  snapshot whose step is in `protect` (the caller's best K measured steps by a metric,
+  `pinned_eval.snapshot.keep_best`); one whose step left `protect` is deleted under the ring rule.
+  A retire not told `protect` (None: the janitor's) then marks and deletes nothing;
 - `materialize(url)` returns an engine-visible local path: a local snapshot is checked and
   returned as is; an S3 snapshot is checked, downloaded marker-last into a bounded local cache
   (LRU by size; the entry just used is never evicted), and checked again after download.
@@ -84,9 +88,12 @@ class Staging:
         keep_snapshots: int = 2,
         cache_dir: Path | None = None,
         cache_max_bytes: int | None = None,
+        keep_best: int = 0,
     ) -> None:
         if keep_snapshots < 0:
             raise ValueError(f"keep_snapshots must be >= 0, got {keep_snapshots}")
+        if keep_best < 0:
+            raise ValueError(f"keep_best must be >= 0, got {keep_best}")
         if cache_max_bytes is not None and cache_max_bytes < 0:
             raise ValueError(f"cache_max_bytes must be >= 0, got {cache_max_bytes}")
         self.storage_options = dict(storage_options or {})
@@ -100,6 +107,7 @@ class Staging:
         self.root_path = root_path
         self.root = to_url(self.fs, root_path)
         self.keep_snapshots = keep_snapshots
+        self.keep_best = keep_best
         self.cache_dir = Path(cache_dir) if cache_dir else get_settings().home / "snapshot-cache"
         self.cache_max_bytes = cache_max_bytes
 
@@ -229,13 +237,15 @@ class Staging:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(fs_path, recursive=True)
 
-    def retire(self, path: str, owned: bool) -> RetireResult:
-        """The point is done with `path`: keep it in the run's keep-ring or delete it (if owned)."""
+    def retire(self, path: str, owned: bool, protect: frozenset[int] | None = None) -> RetireResult:
+        """The point is done with `path`: keep it in the run's keep-ring or delete it (if owned).
+
+        `protect`: steps whose retired snapshots stay beyond the ring (best-K retention)."""
         if not owned:
             return RetireResult(path, owned=False, deleted=[], kept=[path])
         fs_path = self._confine(path)
         run, _ = self._run_step(fs_path)
-        if self.keep_snapshots == 0:
+        if self.keep_snapshots == 0 and not self.keep_best:
             self.delete(path)
             return RetireResult(path, owned=True, deleted=[path], kept=[])
         stamp = datetime.now(UTC).isoformat().encode()
@@ -244,7 +254,11 @@ class Staging:
         elif self.fs.exists(fs_path):
             self.fs.pipe_file(join(self.fs, fs_path, RETIRED), stamp)
         ring = sorted((s for s in self.list(run) if s.retired), key=lambda s: s.step, reverse=True)
-        kept, deleted = ring[: self.keep_snapshots], ring[self.keep_snapshots :]
+        if self.keep_best and protect is None:  # which steps are best is unknown here: delete nothing
+            return RetireResult(path, owned=True, deleted=[], kept=[s.path for s in ring])
+        protected = protect or frozenset()
+        kept = [s for i, s in enumerate(ring) if i < self.keep_snapshots or s.step in protected]
+        deleted = [s for s in ring if s not in kept]
         for s in deleted:
             self.delete(s.path)
         return RetireResult(path, owned=True, deleted=[s.path for s in deleted], kept=[s.path for s in kept])
