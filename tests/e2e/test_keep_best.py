@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from blocks import StagingBlock
+from blocks import SinksBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.sinks import JsonlSink
 from tests.pointkit import PointEnv, write_step_snapshot
@@ -31,3 +31,16 @@ def test_best_step_survives_beside_a_ring_of_one(point_env: PointEnv, tiny_model
     assert len(scores) == 3 and len(set(scores.values())) == 1, f"same weights, same score: {scores}"
     # a tie goes to the earliest step: best {1}, ring {3}; step 2 left both
     assert {s for s, p in paths.items() if Path(p).exists()} == {1, 3}
+
+
+def test_keep_best_without_a_jsonl_file_fails_the_point_and_deletes_nothing(
+    point_env: PointEnv, tiny_model: Path
+) -> None:
+    block = StagingBlock.load(point_env.blocks["staging"])
+    block.keep_snapshots, block.keep_best, block.keep_best_metric = 0, 1, METRIC
+    block.save(point_env.blocks["staging"], overwrite=True)
+    SinksBlock().save(point_env.blocks["sinks"], overwrite=True)  # no jsonl_path to rank from
+    dest = write_step_snapshot(tiny_model, block.staging().path_for(point_env.run, 1))
+    state = eval_point(**point_env.params(1, source={"kind": "staged", "path": dest}), return_state=True)
+    assert state.is_failed() and "keep_best: ranks steps from the sinks block's jsonl_path" in str(state.message)
+    assert Path(dest).exists(), "keep_snapshots=0, yet nothing is deleted"
