@@ -109,7 +109,7 @@ def _flow_request(checked: dict[str, Any]) -> PointRequest:
 
 
 _bad = {
-    "run": st.sampled_from(["Exp", "a/b", "../x", ""]),
+    "run": st.sampled_from(["a..b", "a/b", "../x", "", "exp 1", "-x"]),
     "step": st.sampled_from([-1, -100]),
     "posture": st.sampled_from(["gpu", "", 3]),
     "policy": st.sampled_from(["drop", 1]),
