@@ -2,7 +2,9 @@
 file (never argv), and scrubbed from every text that leaves a launcher.
 
 Contract:
-- `FleetKeys.resolve(api_key, admin_api_key)` fills a missing key with `secrets.token_urlsafe(32)`:
+- `FleetKeys.resolve(api_key, admin_api_key)` fills a missing key with `secrets.token_hex(32)`
+  (256 bits; hex, so a key never starts with '-': SGLang merges its `--config` file into argv,
+  where `--api-key -x...` would read as a missing value):
   every engine pinned-eval launches has both. The API key guards the data plane (and the router),
   the admin key the control plane (`/update_weights_from_disk`, ...): SGLang's rules.
 - The bundled CPU engine reads `ENGINE_API_KEY_ENV` / `ENGINE_ADMIN_API_KEY_ENV` (typer envvar on
@@ -47,7 +49,7 @@ _PATTERNS = (
 
 
 def new_key() -> str:
-    return secrets.token_urlsafe(32)
+    return secrets.token_hex(32)
 
 
 class FleetKeys(BaseModel):

@@ -134,3 +134,13 @@ def test_state_file_keeps_the_keys_for_clients_at_0600(tmp_path: Path) -> None:
     config = again.client_config()
     assert (config.api_key, config.admin_api_key) == (API, ADMIN)
     assert API not in repr(again.state) and ADMIN not in repr(config)
+
+
+def test_generated_keys_never_start_with_a_dash() -> None:
+    """SGLang merges its `--config` YAML into argv: a key `-x...` would read as a missing value
+    (about 1 key in 64 with URL-safe base64; 2000 draws make that certain)."""
+    from pinned_eval.fleet.keys import new_key
+
+    keys = [new_key() for _ in range(2000)]
+    assert [k for k in keys if k.startswith("-")] == []
+    assert {len(k) for k in keys} == {64} and len(set(keys)) == 2000
