@@ -25,21 +25,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from app.block_specs import KINDS, SpecError, build_block
-from app.commands.points import fail, prefect_client
+from app.commands.points import BLOCK_FLAGS, block_exists, fail, prefect_client
 from app.commands.suite import _variables
 from pinned_eval.events import BlockNames
 
 if TYPE_CHECKING:
     from prefect.blocks.core import Block
-    from prefect.client.orchestration import SyncPrefectClient
 
 app = typer.Typer(help="Save, show and list the blocks a point uses (suite, fleet, staging, sinks).",
                   no_args_is_help=True)  # fmt: skip
 save_app = typer.Typer(help="Save one block from flags.", no_args_is_help=True)
 app.add_typer(save_app, name="save")
 
-SLUGS = {"suite": "pinned-eval-suite", "fleet": "pinned-eval-fleet", "staging": "pinned-eval-staging",
-         "sinks": "pinned-eval-sinks", "backend": "pinned-eval-external-backend"}  # fmt: skip
+SLUGS = {**BLOCK_FLAGS, "backend": "pinned-eval-external-backend"}  # kind -> block type slug (show, list)
 DEFAULT_NAME = "default"
 # what creates each missing block, in `deploy`'s note and `block show`'s refusal
 HOW = {
@@ -53,16 +51,6 @@ NameArg = Annotated[str, typer.Argument(help="Block name (lowercase letters, dig
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a block of this name.")]
 
 
-def _exists(client: SyncPrefectClient, kind: str, name: str) -> bool:
-    from prefect.exceptions import ObjectNotFound  # prefect: slow import; `pinned-eval --help` stays fast
-
-    try:
-        client.read_block_document_by_name(name, SLUGS[kind], include_secrets=False)
-    except ObjectNotFound:
-        return False
-    return True
-
-
 def _build(kind: str, name: str, fields: dict[str, Any]) -> Block:
     try:
         return build_block(kind, fields, Path.cwd(), name)
@@ -73,7 +61,7 @@ def _build(kind: str, name: str, fields: dict[str, Any]) -> Block:
 def _save(kind: str, name: str, fields: dict[str, Any], overwrite: bool) -> None:
     block = _build(kind, name, fields)
     with prefect_client() as client:
-        if not overwrite and _exists(client, kind, name):
+        if not overwrite and block_exists(client, kind, name):
             fail(f"a {kind} block named {name!r} exists: pass --overwrite to replace it "
                  f"(`pinned-eval block show {kind} {name}` shows it)")  # fmt: skip
         block.save(name, overwrite=True)
@@ -259,7 +247,7 @@ def apply(
             fail(f"--name: {exc.message}" if exc.key == "name" else f"{path}: {exc.where(kind)}", 2)
     with prefect_client() as client:
         for kind, block in built.items():
-            replaced = _exists(client, kind, name)
+            replaced = block_exists(client, kind, name)
             block.save(name, overwrite=True)
             typer.echo(f"{'replaced' if replaced else 'saved'} {kind} block {name!r}")
 
@@ -270,7 +258,7 @@ def missing_blocks(names: BlockNames | None = None) -> list[str]:
     missing block is skipped by its flow run; `deploy` prints these lines so it is known before."""
     names = names or BlockNames()
     with prefect_client() as client:
-        missing = [kind for kind in KINDS if not _exists(client, kind, getattr(names, kind))]
+        missing = [kind for kind in KINDS if not block_exists(client, kind, getattr(names, kind))]
     return [f"missing {kind} block {getattr(names, kind)!r}: create it with "
             f"`{HOW[kind].format(name=getattr(names, kind))}`" for kind in missing]  # fmt: skip
 

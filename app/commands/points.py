@@ -129,17 +129,21 @@ def check_local_paths(source: SnapshotSource) -> None:
             fail(f"{flag}: {path} does not exist; nothing was sent", 2)
 
 
-def check_blocks(client: SyncPrefectClient, blocks: BlockNames) -> None:
-    """Exit 2, naming every flag whose block is not saved on the server, before anything is sent."""
+def block_exists(client: SyncPrefectClient, kind: str, name: str) -> bool:
+    """Whether a `kind` block (a key of `BLOCK_FLAGS`) named `name` is saved on the server."""
     from prefect.exceptions import ObjectNotFound  # prefect: slow import; `pinned-eval --help` stays fast
 
-    missing = []
-    for field, slug in BLOCK_FLAGS.items():
-        name = getattr(blocks, field)
-        try:
-            client.read_block_document_by_name(name, slug, include_secrets=False)
-        except ObjectNotFound:
-            missing.append(f"--{field}: no {slug} block named {name!r}")
+    try:
+        client.read_block_document_by_name(name, BLOCK_FLAGS[kind], include_secrets=False)
+    except ObjectNotFound:
+        return False
+    return True
+
+
+def check_blocks(client: SyncPrefectClient, blocks: BlockNames) -> None:
+    """Exit 2, naming every flag whose block is not saved on the server, before anything is sent."""
+    missing = [f"--{kind}: no {slug} block named {getattr(blocks, kind)!r}" for kind, slug in BLOCK_FLAGS.items()
+               if not block_exists(client, kind, getattr(blocks, kind))]  # fmt: skip
     if missing:
         fail("; ".join(missing) + "; nothing was sent. Save the blocks first (`pinned-eval block save --help`), "
              "or name saved ones", 2)  # fmt: skip
