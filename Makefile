@@ -14,7 +14,7 @@ demo: setup
 # lint first: a style or type error fails CI in seconds, before the 15-minute suite
 test: setup services
 	.venv/bin/ruff check . && .venv/bin/mypy && .venv/bin/lint-imports
-	.venv/bin/python -m pytest -q -p no:cacheprovider
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30
 
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/mypy && .venv/bin/lint-imports

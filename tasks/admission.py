@@ -7,6 +7,9 @@ through pin and generate, or an external backend's `backend-<class>-<digest>` th
 Limits are acquired with `strict=True` (a missing limit would otherwise mean *no* limit) and
 created here when missing; an existing limit's size is left alone.
 Leases are 60 s and renewed, so a SIGKILLed holder frees its slot within ~75 s.
+A transient answer while acquiring (a 5xx: the SQLite server answers 503 under write bursts once
+Prefect's client gave up its own retries; or a dropped connection) is retried with backoff for up
+to `ACQUIRE_PATIENCE_SECONDS`; any other refusal (a 4xx, and a 423 under `skip`) is not.
 """
 
 from __future__ import annotations
@@ -15,16 +18,20 @@ import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 
+import httpx
 from prefect import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_delay, wait_exponential_jitter
 
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.skips import EvalSkipped, SkipReason
 
 LEASE_SECONDS = 60.0
+ACQUIRE_PATIENCE_SECONDS = 300.0
+logger = logging.getLogger(__name__)
 
 
 class _QuietSkipNoise(logging.Filter):
@@ -56,6 +63,31 @@ def _is_locked(exc: ConcurrencySlotAcquisitionError) -> bool:
     return getattr(response, "status_code", None) == 423
 
 
+def _is_transient(exc: BaseException) -> bool:
+    """A server error (5xx) or a dropped connection behind a failed acquisition: worth another try."""
+    if not isinstance(exc, ConcurrencySlotAcquisitionError):
+        return False
+    cause = exc.__cause__
+    if isinstance(cause, httpx.HTTPStatusError):
+        return cause.response.status_code >= 500
+    return isinstance(cause, httpx.TransportError)
+
+
+def _hold(stack: ExitStack, name: str, *, max_retries: int | None, patience_s: float) -> None:
+    """Enter `concurrency(name)` on `stack`, retrying transient failures for up to `patience_s`."""
+    for attempt in Retrying(
+        retry=retry_if_exception(_is_transient),
+        stop=stop_after_delay(patience_s),
+        wait=wait_exponential_jitter(initial=1, max=20),
+        before_sleep=before_sleep_log(logger, logging.WARNING),
+        reraise=True,
+    ):
+        with attempt:
+            stack.enter_context(
+                concurrency(name, occupy=1, strict=True, max_retries=max_retries, lease_duration=LEASE_SECONDS)
+            )
+
+
 @contextmanager
 def admitted(run: str, step: int, *, policy: str, final: bool, max_in_flight: int) -> Iterator[None]:
     """Hold one in-flight slot of `run` for the body, or raise EvalSkipped(BUSY) (skip policy)."""
@@ -64,15 +96,7 @@ def admitted(run: str, step: int, *, policy: str, final: bool, max_in_flight: in
     wait = policy == "backpressure" or final
     stack = ExitStack()
     try:
-        stack.enter_context(
-            concurrency(
-                name,
-                occupy=1,
-                strict=True,
-                max_retries=None if wait else 0,
-                lease_duration=LEASE_SECONDS,
-            )
-        )
+        _hold(stack, name, max_retries=None if wait else 0, patience_s=ACQUIRE_PATIENCE_SECONDS)
     except ConcurrencySlotAcquisitionError as exc:
         if not wait and _is_locked(exc):
             raise EvalSkipped(SkipReason.BUSY, f"step {step}: {name} is full") from exc
@@ -82,12 +106,13 @@ def admitted(run: str, step: int, *, policy: str, final: bool, max_in_flight: in
 
 
 @contextmanager
-def exclusive(lock_name: str) -> Iterator[None]:
+def exclusive(lock_name: str, *, patience_s: float = ACQUIRE_PATIENCE_SECONDS) -> Iterator[None]:
     """Hold the limit `lock_name` (size 1) for the body. Pin locks: one point pins and measures on
     a fleet (`fleet-<name>`) or an external backend configuration (`backend-<class>-<digest>`) at
     a time; `wandb-<eval run id>`: one writer of a dedicated W&B eval run at a time."""
     ensure_limit(lock_name, 1)
-    with concurrency(lock_name, occupy=1, strict=True, lease_duration=LEASE_SECONDS):
+    with ExitStack() as stack:
+        _hold(stack, lock_name, max_retries=None, patience_s=patience_s)
         yield
 
 

@@ -108,15 +108,22 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> list[dict
             say("deploying eval-point and starting a process worker ...")
             stack.deploy()
             stack.worker_up()
-            table = _train_and_evaluate(opts, home, base, server.api_url, say)
+            outcomes = _train_and_evaluate(opts, home, base, server.api_url, say)
+            table = [_row(o) for o in outcomes]
             comparison = _compare_last_two(table)
         say(render_table(table))
+        for why in _unmeasured(outcomes):
+            say(why)
         for line in comparison:
             say(line)
-        say(f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N; "
-            f"log in with the contents of {stack.auth_file})")
-        say(f"The history stays in {stack.home}: `pinned-eval status --run {RUN}` (after `pinned-eval server up` "
-            "once the demo has stopped)")
+        say(
+            f"\nPrefect UI: {server.ui_url}/runs  (flow runs named {RUN}/step-N; "
+            f"log in with the contents of {stack.auth_file})"
+        )
+        say(
+            f"The history stays in {stack.home}: `pinned-eval status --run {RUN}` (after `pinned-eval server up` "
+            "once the demo has stopped)"
+        )
         if not opts.exit_after and (sys.stdin.isatty() or get_settings().demo_hold):
             say("everything stays up for you to browse; Ctrl-C stops it all")
             _wait_for_interrupt()
@@ -160,8 +167,9 @@ def _save_blocks(home: Path, base: Path) -> FleetBlock:
     fleet.save(BLOCKS.fleet, overwrite=True)
     EvalSuiteBlock(suite=default_suite()).save(BLOCKS.suite, overwrite=True)
     # the baseline point reads the base model (an `hf` source): its directory is a source root
-    StagingBlock(root=str(home / "staging"), keep_snapshots=2, source_roots=[str(base)]).save(BLOCKS.staging,
-                                                                                               overwrite=True)
+    StagingBlock(root=str(home / "staging"), keep_snapshots=2, source_roots=[str(base)]).save(
+        BLOCKS.staging, overwrite=True
+    )
     SinksBlock(jsonl_path=str(home / "metrics.jsonl"), results_root=str(home / "results")).save(
         BLOCKS.sinks, overwrite=True
     )
@@ -180,7 +188,7 @@ def _compare_last_two(table: list[dict[str, object]]) -> list[str]:
 
 def _train_and_evaluate(
     opts: DemoOptions, home: Path, base: Path, api_url: str, say: Callable[[str], None]
-) -> list[dict[str, object]]:
+) -> list[PointOutcome]:
     from app.demo.trainer import DemoConfig, DemoTrainer  # torch/transformers: slow import, only when the demo runs
 
     config = DemoConfig(work_dir=home / "trainer", base_model_dir=base, warmup_steps=opts.warmup_steps)
@@ -190,8 +198,9 @@ def _train_and_evaluate(
     )  # fmt: skip
     try:
         with DemoTrainer(config) as trainer:
-            client.dispatch(0, source=SnapshotSource(kind=SourceKind.HF, path=str(base), require_marker=False),
-                            final=False)  # fmt: skip  (baseline: the untrained model, never deleted)
+            client.dispatch(
+                0, source=SnapshotSource(kind=SourceKind.HF, path=str(base), require_marker=False), final=False
+            )  # fmt: skip  (baseline: the untrained model, never deleted)
             say(f"training {opts.steps} steps; an eval point every {opts.eval_every} steps ...")
             t0 = time.monotonic()
             for _ in range(opts.steps):
@@ -207,7 +216,12 @@ def _train_and_evaluate(
         outcomes = client.drain(timeout=900)
     finally:
         client.close()
-    return [_row(o) for o in outcomes]
+    return outcomes
+
+
+def _unmeasured(outcomes: list[PointOutcome]) -> list[str]:
+    """One line per point that was not measured: its state, reason and message (the table has no room)."""
+    return [f"step {o.step}: {o.state} ({o.reason}): {o.message}" for o in outcomes if o.state != "measured"]
 
 
 def _row(outcome: PointOutcome) -> dict[str, object]:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import pytest
 from prefect import get_client
+from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
+from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.skips import EvalSkipped, SkipReason
-from tasks.admission import admitted, ensure_limit
+from tasks.admission import admitted, ensure_limit, exclusive
+from tests.reliability.netfaults import FaultyHTTPProxy, Rule
 from tests.slots import SlotHolder, refusals
 
 pytestmark = pytest.mark.e2e
@@ -102,3 +106,60 @@ def test_blocks_register_with_the_prefect_cli(prefect_server: str) -> None:
     with get_client(sync_client=True) as c:
         slugs = {bt.slug for bt in c.read_block_types()}
     assert {"pinned-eval-fleet", "pinned-eval-staging", "pinned-eval-suite", "pinned-eval-sinks"} <= slugs
+
+
+@pytest.fixture
+def api_through(prefect_server: str) -> Iterator[Callable[..., FaultyHTTPProxy]]:
+    """`api_through(*rules)`: this test's Prefect client talks to the real server through a fault
+    proxy, with Prefect's own client retries off so every injected answer reaches admission."""
+    proxies: list[FaultyHTTPProxy] = []
+    upstream = prefect_server.removesuffix("/api")
+
+    def through(*rules: Rule) -> FaultyHTTPProxy:
+        proxies.append(FaultyHTTPProxy(upstream, list(rules)))
+        return proxies[-1]
+
+    yield through
+    for p in proxies:
+        p.close()
+
+
+def _lease_posts(proxy: FaultyHTTPProxy) -> list[str]:
+    return [s.action for s in proxy.requests if "increment-with-lease" in s.path]
+
+
+@pytest.mark.parametrize("fault", ["error", "drop"])
+def test_a_transient_server_error_while_acquiring_is_retried(api_through, fault: str) -> None:
+    """The CI failure this fixes: a SQLite server answered 503 for a minute of a write burst, past
+    Prefect's own retries, and the point crashed instead of waiting for the fleet lock."""
+    name = f"fleet-transient-{fault}-{uuid.uuid4().hex[:8]}"
+    proxy = api_through(Rule(fault, methods=("POST",), path_contains="increment-with-lease", times=2, status=503))  # type: ignore[arg-type]
+    with temporary_settings({PREFECT_API_URL: f"{proxy.url}/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
+        with exclusive(name, patience_s=60):
+            assert active_slots(name) == 1
+        assert active_slots(name) == 0
+    assert _lease_posts(proxy) == [fault, fault, "pass"]
+
+
+def test_a_client_error_while_acquiring_is_not_retried(api_through) -> None:
+    name = f"fleet-4xx-{uuid.uuid4().hex[:8]}"
+    proxy = api_through(Rule("error", methods=("POST",), path_contains="increment-with-lease", status=400))
+    with (
+        temporary_settings({PREFECT_API_URL: f"{proxy.url}/api", PREFECT_CLIENT_MAX_RETRIES: 0}),
+        pytest.raises(ConcurrencySlotAcquisitionError, match="400"),
+        exclusive(name, patience_s=60),
+    ):
+        pytest.fail("entered the body without the lock")
+    assert _lease_posts(proxy) == ["error"]
+
+
+def test_transient_errors_past_the_patience_are_raised(api_through) -> None:
+    name = f"fleet-patience-{uuid.uuid4().hex[:8]}"
+    proxy = api_through(Rule("error", methods=("POST",), path_contains="increment-with-lease", status=503))
+    with (
+        temporary_settings({PREFECT_API_URL: f"{proxy.url}/api", PREFECT_CLIENT_MAX_RETRIES: 0}),
+        pytest.raises(ConcurrencySlotAcquisitionError, match="503"),
+        exclusive(name, patience_s=0),
+    ):
+        pytest.fail("entered the body without the lock")
+    assert _lease_posts(proxy) == ["error"]  # no patience left after the first try: raised, not retried

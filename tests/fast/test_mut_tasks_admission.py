@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 
-from tasks.admission import _is_locked, _QuietSkipNoise
+from tasks.admission import _is_locked, _is_transient, _QuietSkipNoise
 
 
 def _acquisition_error(status: int | None) -> ConcurrencySlotAcquisitionError:
@@ -32,3 +32,18 @@ def test_only_the_slot_services_423_noise_is_dropped() -> None:
     quiet = _QuietSkipNoise()
     assert quiet.filter(record("ConcurrencySlotAcquisitionError: 423 Locked")) is False
     assert quiet.filter(record("service crashed")) is True
+
+
+@pytest.mark.parametrize(
+    ("status", "transient"), [(503, True), (500, True), (502, True), (499, False), (423, False), (404, False)]
+)
+def test_only_server_errors_are_retried(status: int, transient: bool) -> None:
+    assert _is_transient(_acquisition_error(status)) is transient
+
+
+def test_a_dropped_connection_is_retried_and_other_causes_are_not() -> None:
+    dropped = ConcurrencySlotAcquisitionError("no slot")
+    dropped.__cause__ = httpx.RemoteProtocolError("server disconnected")
+    assert _is_transient(dropped) is True
+    assert _is_transient(_acquisition_error(None)) is False  # no cause: a strict limit that is missing
+    assert _is_transient(RuntimeError("503")) is False  # only acquisition errors
