@@ -5,10 +5,16 @@
   flags against the run's earlier JSONL rows (payload: `Regression`); none without a rule or
   without a JSONL sink (logged);
 - `pinned-eval.point.skipped`: one per skipped point (payload: reason, message);
-- `pinned-eval.point.failed`: one per failed point (payload: reason `crashed`, the error).
+- `pinned-eval.point.failed`: one per failed point (payload: reason `crashed`, the error), from
+  whichever path ends it: the flow's own `except` (an error it caught), its `on_crashed` hook (the
+  flow-run process died under a live worker), or the janitor's crash of a zombie (the worker or
+  host is gone). Exactly one of them ends a run: the hook runs only when the run's Crashed state
+  is accepted, the janitor only crashes runs still Running or Pending, through a transition the
+  server refuses once the run is terminal.
 Resources: `pinned_eval.events.point_resource` (labels run, step, dataset); Prefect relates each
-event to the flow run that emitted it. Emitting is queued to Prefect's events worker and never
-changes the point's outcome.
+event to the flow run that emitted it, and a `failed` event emitted outside the point's own run
+(hook, janitor) names the point's flow run as a related resource (role `flow-run`). Emitting is
+queued to Prefect's events worker (drained at process exit) and never changes the point's outcome.
 """
 
 from __future__ import annotations
@@ -52,5 +58,8 @@ def emit_skipped(run: str, step: int, reason: str, message: str) -> None:
     emit_event(EVENT_SKIPPED, resource=point_resource(run, step), payload={"reason": reason, "message": message[:1000]})
 
 
-def emit_failed(run: str, step: int, error: str) -> None:
-    emit_event(EVENT_FAILED, resource=point_resource(run, step), payload={"reason": "crashed", "error": error[:1000]})
+def emit_failed(run: str, step: int, error: str, flow_run_id: str | None = None) -> None:
+    """`failed` for the point; `flow_run_id`: the point's flow run, when emitted outside it."""
+    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}]
+    emit_event(EVENT_FAILED, resource=point_resource(run, step), related=related if flow_run_id else None,
+               payload={"reason": "crashed", "error": error[:1000]})  # fmt: skip

@@ -66,9 +66,13 @@ class PointConfig(BaseModel):
 
 
 def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
-    """`on_crashed` hook (runs in the worker when the flow-run process dies): retire and record."""
+    """`on_crashed` hook (runs in the worker when the flow-run process dies): alert, retire, record.
+
+    It emits the run's one `pinned-eval.point.failed` (see `flows.alerts`), first, so the alert
+    goes out even when retiring or recording fails."""
     params = flow_run.parameters
     run, step = params["run"], int(params["step"])
+    emit_failed(run, step, state.message or "crashed", flow_run_id=str(flow_run.id))
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
     sinks = load_block(SinksBlock, params.get("sinks", "default"))
     if source is not None and source.owned:

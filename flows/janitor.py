@@ -13,9 +13,18 @@ The flow engine emits the heartbeat every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` se
 point is never quiet for longer than that. Keep `heartbeat_window_s` at 3x the frequency or more
 (default 600 s); with heartbeats disabled the window must exceed the longest single task.
 
-A point quiet for longer than the window is stuck: its run is forced to Crashed (message says
-why), its owned snapshot is retired (keep-ring), and `skipped_crashed` is recorded at its step
-(JSONL row with the point's flow-run id, the point's artifacts, W&B when configured).
+A point quiet for longer than the window is stuck: its run is set to Crashed (message says
+why), its owned snapshot is retired (keep-ring), `skipped_crashed` is recorded at its step
+(JSONL row with the point's flow-run id, the point's artifacts, W&B when configured), and
+`pinned-eval.point.failed` is emitted (the point's flow run related). The Crashed transition is
+not forced: the server refuses it once the run is terminal (ended by its `on_crashed` hook, or by
+another janitor pass that read it Running too), and the janitor then does nothing more for that
+point, so each crash is recorded and alerted once.
+
+Every retire passes the staging block's best-K steps (`StagingBlock.protected_steps`, ranked from
+the JSONL file of the point's sinks block, `default` for a snapshot no flow run names), as the
+flow does, so a janitor pass trims the keep-ring and keeps the best K. A keep_best block whose
+sinks have no JSONL file: logged, and the retire deletes nothing (`Staging.retire`).
 
 Staging sweep: a snapshot `<run>/step_<n>` that is not `.retired` is retired when no flow run of
 (run, step) is in flight (`pinned_eval.inflight.in_flight`, the definition admission uses), or
@@ -46,11 +55,13 @@ from prefect.client.schemas.filters import (
     FlowRunFilterTags,
 )
 from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.states import Crashed
 from pydantic import BaseModel, Field
 
 from blocks import SinksBlock, StagingBlock
+from flows.alerts import emit_failed
 from flows.point_runs import point_flow_runs
 from pinned_eval.inflight import POINT_FLOW, in_flight
 from pinned_eval.points import SnapshotSource, flow_run_name
@@ -111,9 +122,24 @@ def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRu
     return [r for r in runs if "run" in r.parameters and "step" in r.parameters]
 
 
+def _protect(staging: StagingBlock, run: str, sinks: str) -> frozenset[int] | None:
+    """The best-K steps a retire of `run` keeps (None without keep_best), ranked from the JSONL
+    file of sinks block `sinks`; None too (the retire deletes nothing) when keep_best cannot rank
+    them (no such block, no JSONL file), logged."""
+    if not staging.keep_best:
+        return None
+    try:
+        return staging.protected_steps(run, cast(SinksBlock, SinksBlock.load(sinks)).jsonl_path)
+    except ValueError as exc:
+        get_run_logger().error("janitor: %s: nothing of run %s deleted", exc, run)
+        return None
+
+
 @task(cache_policy=NO_CACHE, task_run_name="crash-{point.name}")
-def crash_point(point: StuckPoint, window_s: float) -> list[str]:
-    """Force the stuck run to Crashed, retire its owned snapshot, record `skipped_crashed`."""
+def crash_point(point: StuckPoint, window_s: float) -> list[str] | None:
+    """Set the stuck run Crashed, emit `failed`, retire its owned snapshot (returned), record
+    `skipped_crashed`; None, and nothing done, when the server refuses the transition (the run
+    ended meanwhile)."""
 
     logger = get_run_logger()
     message = (
@@ -122,19 +148,24 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str]:
     )
     with get_client(sync_client=True) as client:
         fr = client.read_flow_run(UUID(point.flow_run_id))
-        client.set_flow_run_state(point.flow_run_id, Crashed(message=message), force=True)
+        result: OrchestrationResult[None] = client.set_flow_run_state(point.flow_run_id, Crashed(message=message))
+    if result.status is not SetStateStatus.ACCEPT:
+        logger.info("%s ended meanwhile (%s: %s); not crashed", point.name, result.status.value, result.details)
+        return None
+    emit_failed(point.run, point.step, message, flow_run_id=point.flow_run_id)
     params = fr.parameters
     retired: list[str] = []
+    sinks = cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
     if source is not None and source.owned:
         try:  # an unsafe root or path is refused; the point is still recorded as crashed
-            staging = cast(StagingBlock, StagingBlock.load(params.get("staging", "default"))).staging()
+            block = cast(StagingBlock, StagingBlock.load(params.get("staging", "default")))
+            staging = block.staging()
             path = staging.path_for(point.run, point.step)
-            staging.retire(path, owned=True)
+            staging.retire(path, owned=True, protect=_protect(block, point.run, params.get("sinks", "default")))
             retired.append(path)
         except StagingPathError as exc:
             logger.error("janitor: snapshot of %s not retired: %s", point.name, exc)
-    sinks = cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
     rows = skip_rows(point.run, point.step, SkipReason.CRASHED, message, failed=True)
     if sinks.jsonl_path:
         JsonlSink(sinks.jsonl_path).write_point([r.model_copy(update={"flow_run_id": point.flow_run_id}) for r in rows])
@@ -150,7 +181,8 @@ def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live:
     logger = get_run_logger()
     report = JanitorReport()
     try:
-        staging = cast(StagingBlock, StagingBlock.load(staging_name)).staging()
+        block = cast(StagingBlock, StagingBlock.load(staging_name))
+        staging = block.staging()
     except StagingPathError as exc:  # UnsafeStagingRootError: never swept
         logger.error("janitor: staging %r not swept: %s", staging_name, exc)
         report.refused.append(f"{staging_name}: {exc}")
@@ -174,10 +206,16 @@ def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live:
             if not runs and now - snap.mtime < orphan_age_s:
                 report.kept_live.append(snap.path)  # its request may still be on its way
                 continue
-            staging.retire(snap.path, owned=True)
+            staging.retire(snap.path, owned=True, protect=_protect(block, snap.run, _sinks_of(runs)))
             report.retired.append(snap.path)
             logger.info("retired orphaned snapshot %s (%s)", snap.path, "no point" if not runs else "points ended")
     return report
+
+
+def _sinks_of(runs: list[FlowRun]) -> str:
+    """The sinks block the step's newest point named (`default` when no flow run names one)."""
+    newest = max(runs, key=lambda r: r.created.timestamp() if r.created else 0.0, default=None)
+    return str(newest.parameters.get("sinks", "default")) if newest else "default"
 
 
 @flow(name="janitor", flow_run_name="janitor")
@@ -211,9 +249,12 @@ def janitor(
                 StuckPoint(flow_run_id=str(fr.id), name=fr.name or flow_run_name(r, step), run=r, step=step,
                            state=state, last_activity=seen, quiet_seconds=quiet)
             )
-    report = JanitorReport(crashed=stuck)
+    report = JanitorReport()
     for point in stuck:
-        report.retired += crash_point(point, heartbeat_window_s)
+        retired = crash_point(point, heartbeat_window_s)
+        if retired is not None:
+            report.crashed.append(point)
+            report.retired += retired
     for name in sorted(staging_names):
         try:
             StagingBlock.load(name)
