@@ -26,8 +26,10 @@ from blocks import FleetBlock, StagingBlock
 from flows.eval_point import eval_point
 from flows.janitor import last_activity
 from flows.point_runs import point_flow_runs
+from pinned_eval.events import EVENT_FAILED, point_resource
 from pinned_eval.sinks import JsonlSink
 from tests.deploykit import REPO, Deployed, wait_for
+from tests.eventkit import related_flow_runs, settled_events
 from tests.pointkit import SMALL_SUITE, CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
@@ -238,6 +240,8 @@ def test_janitor_crashes_a_point_whose_host_is_gone(slow_point_env: PointEnv, ti
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert (row.step, row.state, row.reason, row.flow_run_id) == (3, "failed", "crashed", str(fr.id))
     assert row.metrics["eval/skipped_crashed"] == 1
+    [alert] = settled_events(EVENT_FAILED, point_resource(env.run, 3)["prefect.resource.id"])  # once
+    assert f"prefect.flow-run.{fr.id}" in related_flow_runs(alert), alert["related"]
 
     code, out = cli("status", "--run", env.run, "--json")
     [point] = json.loads(out)["points"]
