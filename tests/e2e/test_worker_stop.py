@@ -22,12 +22,14 @@ from prefect.exceptions import PrefectHTTPStatusError
 from app.stack import LocalStack, StackState
 from app.warm_start import write_job_template
 from pinned_eval.backend_host import evaluate_hosted, host_health
+from pinned_eval.events import EVENT_FAILED, point_resource
 from pinned_eval.external import EvalInput
 from pinned_eval.local_socket import answers
 from pinned_eval.polling import poll_until
 from pinned_eval.processes import pid_alive
 from tests.conftest import free_port
 from tests.deploykit import REPO, prefect_cli
+from tests.eventkit import related_flow_runs, settled_events
 from tests.hosted_backends import read_lifecycle
 from tests.pointkit import SMALL_SUITE, save_point_blocks, write_step_snapshot
 
@@ -192,4 +194,6 @@ def test_a_point_in_flight_when_the_worker_stops_ends_crashed_with_its_snapshot_
         state = c.read_flow_run(flow_run_id).state
     assert state is not None and state.type.value == "CRASHED", f"{state}; CLI log:\n{worker_cli.log.read_text()}"
     assert not Path(snap).exists(), "the point's owned snapshot is retired (keep_snapshots=0: deleted)"
+    [alert] = settled_events(EVENT_FAILED, point_resource(env.run, 5)["prefect.resource.id"])  # once
+    assert alert["payload"]["reason"] == "crashed" and f"prefect.flow-run.{flow_run_id}" in related_flow_runs(alert)
     assert [e["event"] for e in read_lifecycle(lifecycle)] == ["init", "pin", "cancelled", "dispose"]
