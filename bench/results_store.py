@@ -13,7 +13,13 @@ Prefect server, side by side in one run (repetitions alternate between the varia
    the suite's rewards, samples and JSONL rewritten; no fleet) vs regenerating it (a point with no
    store: pin, generate, score, log).
 
-`python -m bench results_store [--reps N]`
+Workloads (`--workload`): `demo` is the demo's suite as it is (greedy, at most 4 new tokens
+stopped at a newline: a generation of a few tokens, so the point is mostly flow overhead);
+`long` is the same 128 prompts as an eval a user runs on a policy would generate: 4 samples per
+prompt at temperature 0.8, up to `--max-new-tokens` (default 48) new tokens, no stop string (512
+samples; the mean completion length is printed). The cache saves the generation, so its speed-up grows with it.
+
+`python -m bench results_store [--reps N] [--workload demo|long] [--max-new-tokens N]`
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench results_store")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workload", choices=("demo", "long"), default="demo")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="the long workload's cap")
     args = parser.parse_args(argv or [])
     from transformers.utils import logging as hf_logging
 
@@ -37,11 +45,21 @@ def main(argv: list[str] | None = None) -> None:
     from app.prefect_server import running_server
 
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp) / "home"):
-        results = _measure(Path(tmp), args.reps)
-    _print(results, args.reps)
+        results = _measure(Path(tmp), args.reps, _suite(args.workload, args.max_new_tokens))
+    _print(results, args.reps, args.workload)
 
 
-def _measure(root: Path, reps: int) -> dict[str, list[float]]:
+def _suite(workload: str, max_new_tokens: int):  # type: ignore[no-untyped-def]
+    from pinned_eval.suite import default_suite
+
+    suite = default_suite()
+    if workload == "demo":
+        return suite
+    long = {"n_samples_per_prompt": 4, "temperature": 0.8, "max_new_tokens": max_new_tokens, "stop": ()}
+    return suite.model_copy(update={"defaults": suite.defaults.model_copy(update=long)})
+
+
+def _measure(root: Path, reps: int, suite_under_test: object) -> dict[str, list[float]]:
     import torch
     from safetensors.torch import load_file
 
@@ -52,7 +70,6 @@ def _measure(root: Path, reps: int) -> dict[str, list[float]]:
     from pinned_eval.fleet import launch_cpu_fleet
     from pinned_eval.results.store import GENERATIONS, SAMPLES
     from pinned_eval.snapshot.writer import write_snapshot
-    from pinned_eval.suite import default_suite
 
     base = make_tiny_model(root / "base", seed=0)
     tensors: dict[str, torch.Tensor] = {}
@@ -63,7 +80,7 @@ def _measure(root: Path, reps: int) -> dict[str, list[float]]:
     fleet = launch_cpu_fleet(base, 2, log_dir=root / "logs", state_file=root / "fleet.json")
     try:
         FleetBlock(name="bench", mode="launch", state_file=str(root / "fleet.json")).save("bench", overwrite=True)
-        EvalSuiteBlock(suite=default_suite()).save("bench", overwrite=True)
+        EvalSuiteBlock(suite=suite_under_test).save("bench", overwrite=True)
         staging = StagingBlock(root=str(root / "staging"), keep_snapshots=100, source_roots=[str(root)])
         staging.save("bench", overwrite=True)
         SinksBlock(jsonl_path=str(root / "plain.jsonl")).save("plain", overwrite=True)
@@ -99,14 +116,16 @@ def _measure(root: Path, reps: int) -> dict[str, list[float]]:
             store.write("bench", 1000 + r, SAMPLES, samples)
             out["writes"].append(time.perf_counter() - t0)
         out["rows"] = [float(samples.num_rows)]
+        out["tokens"] = [statistics.mean(t or 0 for t in samples.column("completion_tokens").to_pylist())]
         return out
     finally:
         fleet.stop()
 
 
-def _print(res: dict[str, list[float]], reps: int) -> None:
+def _print(res: dict[str, list[float]], reps: int, workload: str) -> None:
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"demo-size point: {int(med['rows'])} samples; medians of {reps} alternating repetitions (s)")
+    print(f"{workload} point: {int(med['rows'])} samples, {med['tokens']:.1f} completion tokens each on average; "
+          f"medians of {reps} alternating repetitions (s)")
     print(f"{'measure':58} {'value':>10}")
     rows = [
         ("point, no results store (s)", med["plain"]),
