@@ -5,8 +5,9 @@ created over the API in the states under test, as a dead worker or host leaves t
   `on_crashed` hook ends the run, never from both, nor from two janitor passes that both read it
   Running (the second's Crashed transition is refused);
 - every janitor retire keeps the staging block's best-K steps (keep_best) and trims the ring.
-The janitor crashing a really killed point: tests/e2e/test_operator_cli.py (janitor) and
-tests/reliability/test_process_kills.py; the hook of a really stopped worker: tests/e2e/test_worker_stop.py.
+The same alert from a really SIGKILLed point the janitor crashes:
+tests/e2e/test_operator_cli.py::test_janitor_crashes_a_point_whose_host_is_gone; from the hook of a
+really stopped worker: tests/e2e/test_worker_stop.py (the point in flight).
 """
 
 from __future__ import annotations
