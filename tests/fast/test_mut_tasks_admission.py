@@ -125,7 +125,7 @@ def test_a_refused_connection_is_retried_then_the_acquisition_error_is_raised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="tasks.admission")
-    _hold_refused(patience_s=4.0)  # the first retry waits 1-2 s: at least one fits in 4 s
+    _hold_refused(patience_s=8.0)  # the first retry waits 1-2 s: at least one fits in 8 s, under load too
     retries = _retries(caplog)
     assert retries, "a transient failure was not retried"
     assert {r.levelno for r in retries} == {logging.WARNING}
@@ -138,7 +138,7 @@ def test_a_refused_connection_is_retried_then_the_acquisition_error_is_raised(
 def test_a_server_error_is_retried(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="tasks.admission")
     with _serving(_StaticFiles, tmp_path) as api:
-        exc = _hold_at(api, patience_s=4.0)
+        exc = _hold_at(api, patience_s=8.0)
     assert isinstance(exc.__cause__, httpx.HTTPStatusError)
     assert exc.__cause__.response.status_code == 501
     assert _retries(caplog), "a 5xx was not retried"
@@ -147,7 +147,7 @@ def test_a_server_error_is_retried(tmp_path: Path, caplog: pytest.LogCaptureFixt
 def test_a_client_error_is_raised_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="tasks.admission")
     with _serving(_StaticFilesWithPost, tmp_path) as api:
-        exc = _hold_at(api, patience_s=30.0)  # 30 s of patience, and not one retry
+        exc = _hold_at(api, patience_s=8.0)  # 8 s of patience, and not one retry
     assert isinstance(exc.__cause__, httpx.HTTPStatusError)
     assert exc.__cause__.response.status_code == 404
     assert _retries(caplog) == []
