@@ -10,6 +10,15 @@ calls which function and runs each mutant against those tests only.
     python scripts/mutants.py spool check      # only these modules (a dotted suffix of a module name)
     python scripts/mutants.py --survivors      # re-run only the mutants that survived last time
     python scripts/mutants.py --report         # the table from the last results, nothing run
+    python scripts/mutants.py spool --against tests/fast/test_sec_spool.py   # quick lower bound
+
+`--against FILE...` runs each mutant of the named modules one at a time against only those test
+files (`MUTANT_UNDER_TEST=<name>` in mutants/, after a `mutmut run` generated them): a mutant one of
+them fails is killed whatever the other tests say, so its score is a lower bound, and minutes
+instead of hours where the full selection starts threads and servers. A run past `--timeout` is
+counted under "other", not killed. Its results go to
+`mutants/<source>.against.json`, never into mutmut's own; `--match TEXT...` keeps only the mutants
+whose name contains one of the texts (a function name, e.g. `_loop`).
 
 Not part of `make test`: a full run takes tens of minutes.
 """
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -100,8 +110,37 @@ def _run(names: list[str], children: int) -> float:
     return time.monotonic() - t0
 
 
-def _row(module: str, source: str, seconds: float | None) -> tuple[str, ...]:
-    codes = list(_results(source).values())
+def _against(source: str, tests: list[str], timeout_s: float, match: list[str]) -> dict[str, int | None]:
+    """Each mutant of `source`, one at a time, against `tests` only; exit code by mutant name."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "mutants")}  # the mutated packages, not the tree's
+    for t in tests:  # the tests as they are now, not as the last `mutmut run` copied them
+        shutil.copy2(ROOT / t, ROOT / "mutants" / t)
+    codes: dict[str, int | None] = {}
+    out = ROOT / "mutants" / f"{source}.against.json"
+    # constructors last: their mutants are the ones any test kills; the rest first, should a run be cut short
+    names = [n for n in _results(source) if not match or any(m in n for m in match)]
+    for name in sorted(names, key=lambda n: ("__init__" in n, n)):
+        try:
+            rc: int | None = subprocess.run(
+                ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                cwd=ROOT / "mutants",
+                env={**env, "MUTANT_UNDER_TEST": name},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=timeout_s,
+                check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = None  # not counted as killed: on a loaded machine a slow run is no proof of a hang
+        codes[name] = rc
+        verdict = "timeout" if rc is None else "killed" if rc in KILLED else "survived" if rc in SURVIVED else rc
+        print(f"  {name}: {verdict}", flush=True)
+        out.write_text(json.dumps({"tests": tests, "codes": codes}))  # after each: a cut-short run keeps its part
+    return codes
+
+
+def _row(module: str, source: str, seconds: float | None, codes: list[int | None] | None = None) -> tuple[str, ...]:
+    codes = list(_results(source).values()) if codes is None else codes
     killed = sum(c in KILLED for c in codes)
     survived = sum(c in SURVIVED for c in codes)
     no_tests = sum(c in NO_TESTS for c in codes)
@@ -117,6 +156,9 @@ def main() -> None:
     parser.add_argument("--survivors", action="store_true", help="re-run only last run's survivors")
     parser.add_argument("--report", action="store_true", help="print the table of the last results only")
     parser.add_argument("--children", type=int, default=2, help="mutants tested in parallel")
+    parser.add_argument("--against", nargs="+", metavar="FILE", help="only these test files, one mutant at a time")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant with --against")
+    parser.add_argument("--match", nargs="+", metavar="TEXT", help="with --against: only mutants whose name has TEXT")
     args = parser.parse_args()
     _check_config()
     chosen = MODULES
@@ -127,6 +169,14 @@ def main() -> None:
             parser.error(f"no single module named {bad} (e.g. 'spool', 'tasks.admission')")
         chosen = [m for m in MODULES if any(m in ms for ms in picked.values())]
     took: dict[str, float] = {}
+    if args.against:
+        rows = []
+        for module, source, _tests in chosen:
+            t0 = time.monotonic()
+            codes = _against(source, args.against, args.timeout, args.match or [])
+            rows.append(_row(module, source, time.monotonic() - t0, list(codes.values())))
+        _print_table(rows)
+        return
     if not args.report:
         for module, source, _tests in chosen:
             survivors = [k for k, c in _results(source).items() if c in SURVIVED]
@@ -134,8 +184,12 @@ def main() -> None:
             if names:
                 print(f"mutants: {module} ({len(names) if args.survivors else 'all'})", flush=True)
                 took[module] = _run(names, args.children)
+    _print_table([_row(m, s, took.get(m)) for m, s, _ in chosen])
+
+
+def _print_table(body: list[tuple[str, ...]]) -> None:
     header = ("module", "mutants", "killed", "survived", "no tests", "other", "score", "took")
-    rows = [header] + [_row(m, s, took.get(m)) for m, s, _ in chosen]
+    rows = [header, *body]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -338,3 +339,29 @@ def test_every_requested_step_is_counted_whatever_comes_before_it() -> None:
     # step 2 is past the visibility timeout and not spooled (not in flight); step 3 is still spooled
     assert view.refresh([], {3}) == ({3}, [])
     assert _decide(view, 4, max_in_flight=1, spooled={3}) == ("busy", 1, 0.0, False)
+
+
+def test_a_failing_query_marks_the_view_stale_and_logs_at_debug_within_its_first_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refused API makes the view stale (admission admits offline) and is logged at debug: a
+    warning is only for a query failing for over a minute (a fresh failure must not warn)."""
+    caplog.set_level(logging.DEBUG, logger="trainer_integration.admission_sync")
+    with socket.socket() as sock:  # a loopback port nothing listens on: every query is refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    view = AdmissionView("exp", visible_timeout_s=60)
+    rest = PrefectRest(f"http://127.0.0.1:{port}/api", httpx.Client(timeout=5))
+    sync = AdmissionSync(
+        "exp", rest, view, ExportTarget(None, None), BLOCKS, spooled=set, enqueue=[].append, poll_s=30,
+        idle_sync_s=30,
+    )  # fmt: skip
+    sync.start()
+    try:
+        sync.wait_first(30)
+        assert view.fresh is False
+    finally:
+        sync.stop()
+        sync.join(30)
+    failures = [r for r in caplog.records if "admission state of exp not refreshed" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.DEBUG]

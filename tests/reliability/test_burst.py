@@ -111,8 +111,23 @@ def test_server_answers_health_probes_during_the_burst(burst: Burst):
 
 
 def test_admission_counts_only_real_points_in_flight(burst: Burst):
-    counted = [(r.step, r.in_flight) for r in burst.report.dispatched]
-    assert max(n for _, n in counted) <= MAX_IN_FLIGHT, counted
+    """Exactly the steps that saw `MAX_IN_FLIGHT` real points in flight are busy, and the peak the
+    admission counted is exactly `MAX_IN_FLIGHT`: counted skip records would push it past the bound
+    (up to 117 once), a skip one slot early would show a busy step at `MAX_IN_FLIGHT - 1`."""
+    dispatched = burst.report.dispatched
+    counted = [(r.step, r.action, r.in_flight, r.admitted_offline) for r in dispatched]
+    busy = {r.step for r in dispatched if r.action == "skipped_busy"}
+    # with a fresh view, a non-final step is busy if and only if the bound was reached
+    at_bound = {r.step for r in dispatched if r.in_flight == MAX_IN_FLIGHT and not r.admitted_offline}
+    assert busy == at_bound - {STEPS - 1}, counted
+    assert busy, counted  # 0.05 s steps outrun the points: the bound was reached
+    assert burst.report.admission_in_flight_max == MAX_IN_FLIGHT, counted
+    assert {r.in_flight for r in dispatched if r.action == "skipped_busy"} == {MAX_IN_FLIGHT}, counted
+    requested = [r for r in dispatched if r.action == "requested"]
+    assert len(requested) + len(busy) == STEPS, counted
+    assert all(r.in_flight < MAX_IN_FLIGHT or r.admitted_offline for r in requested), counted
+    final = dispatched[-1]  # the final point waits for a slot instead of skipping
+    assert (final.step, final.action) == (STEPS - 1, "requested"), final
 
 
 def _automation_failures(api_url: str) -> list[dict]:
