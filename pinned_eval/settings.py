@@ -30,11 +30,6 @@ class Settings(BaseSettings):
         "API credential (api-auth), PID files, logs, the local Prefect home and database, the demo's files (demo/).",
     )
     load_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one weight load on one engine.")
-    slot_lease_s: float = Field(
-        default=60.0, ge=10, le=3600,
-        description="Lease of a held concurrency slot (in-flight bound, pin locks), renewed at 3/4 of it: a "
-        "SIGKILLed holder's slot comes back after this plus the server's repossessor interval (15 s by default).",
-    )
     demo_hold: bool = Field(
         default=False, description="Keep the demo's services up after the table until SIGINT/SIGTERM, terminal or not."
     )

@@ -6,8 +6,7 @@ body; under policy `skip` a full limit raises `EvalSkipped(BUSY)` at once, under
 through pin and generate, or an external backend's `backend-<class>-<digest>` through its eval.
 Limits are acquired with `strict=True` (a missing limit would otherwise mean *no* limit) and
 created here when missing; an existing limit's size is left alone.
-Leases last `PINNED_EVAL_SLOT_LEASE_S` (60 s by default) and are renewed, so a SIGKILLed holder
-frees its slot within that plus the server's repossessor interval (~75 s by default).
+Leases are 60 s and renewed, so a SIGKILLed holder frees its slot within ~75 s.
 A transient answer while acquiring (a 5xx: the SQLite server answers 503 under write bursts once
 Prefect's client gave up its own retries; or a dropped connection) is retried with backoff for up
 to `ACQUIRE_PATIENCE_SECONDS`; any other refusal (a 4xx, and a 423 under `skip`) is not.
@@ -28,9 +27,9 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_delay, wait_exponential_jitter
 
 from pinned_eval.points import inflight_limit_name
-from pinned_eval.settings import get_settings
 from pinned_eval.skips import EvalSkipped, SkipReason
 
+LEASE_SECONDS = 60.0
 ACQUIRE_PATIENCE_SECONDS = 300.0
 logger = logging.getLogger(__name__)
 
@@ -76,7 +75,6 @@ def _is_transient(exc: BaseException) -> bool:
 
 def _hold(stack: ExitStack, name: str, *, max_retries: int | None, patience_s: float) -> None:
     """Enter `concurrency(name)` on `stack`, retrying transient failures for up to `patience_s`."""
-    lease_s = get_settings().slot_lease_s
     for attempt in Retrying(
         retry=retry_if_exception(_is_transient),
         stop=stop_after_delay(patience_s),
@@ -86,7 +84,7 @@ def _hold(stack: ExitStack, name: str, *, max_retries: int | None, patience_s: f
     ):
         with attempt:
             stack.enter_context(
-                concurrency(name, occupy=1, strict=True, max_retries=max_retries, lease_duration=lease_s)
+                concurrency(name, occupy=1, strict=True, max_retries=max_retries, lease_duration=LEASE_SECONDS)
             )
 
 
