@@ -41,6 +41,11 @@ def _staged(env: PointEnv, step: int, tiny: Path) -> dict[str, str]:
     return {"kind": "staged", "path": dest}
 
 
+# pytest-timeout's thread method: its default (signal) method holds SIGALRM, and Prefect then
+# enforces the point's deadline by an exception injected into this thread, which waits for the
+# event loop's blocked `select` (until the held request times out, ~40 s on); with SIGALRM free, the
+# deadline interrupts it at once, as in a flow-run process
+@pytest.mark.timeout(300, method="thread")
 def test_a_deadline_during_generation_times_out_and_frees_the_fleet(
     prefect_server: str, cpu_fleet, tmp_path: Path, tiny_model: Path  # type: ignore[no-untyped-def]
 ) -> None:

@@ -28,7 +28,9 @@ from pathlib import Path
 import psutil
 import pytest
 from prefect import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.filters import FlowRunFilter
+from prefect.workers.process import ProcessWorker
 from safetensors.torch import load_file, save_file
 
 from blocks import FleetBlock, StagingBlock
@@ -164,13 +166,16 @@ def test_flow_run_sigkilled_in_every_phase(
 
     export, pin, generate, log = phases
     try:
-        # generate and log share the real engines and one fleet lock: log goes through first
+        # generate and log share the real engines and one fleet lock: log goes through first, and
+        # generate starts once log is held in its log phase (past the lock), while export and pin
+        # are still on their way to being held: the last kill, which the lease wait below counts
+        # from, comes sooner
         for ph in (export, pin, log):
             start(ph)
-        for ph in (log, export, pin):
-            kill_when_held(ph)
+        kill_when_held(log)
         start(generate)
-        kill_when_held(generate)
+        for ph in (export, pin, generate):
+            kill_when_held(ph)
         for ph in phases:
             done = wait_for(lambda ph=ph: (r := _read(ph.flow_run_id)).state.is_final() and r, 120,
                             f"the {ph.name} kill to be recorded")
@@ -196,7 +201,7 @@ def test_flow_run_sigkilled_in_every_phase(
             assert state.name == "Completed", (ph.name, state.message)
         # and every slot the killed points held comes back (lease expiry)
         names = [ph.lock for ph in phases if ph.lock] + [inflight_limit_name(ph.env.run) for ph in phases]
-        wait_for(lambda: all(_active_slots(n) == 0 for n in names), 150, f"leases of {names} to expire", interval_s=2)
+        wait_for(lambda: all(_active_slots(n) == 0 for n in names), 150, f"leases of {names} to expire", interval_s=0.5)
     finally:
         for p in proxies:
             p.close()
@@ -218,25 +223,29 @@ def test_lost_worker_host_is_cleaned_up_by_the_janitor(
 
     pool, tag = f"rel-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
     env_vars = dict(os.environ, PREFECT_API_URL=deployed.api_url, PINNED_EVAL_PROJECT_DIR=str(REPO))
-    assert subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", pool, "--type", "process"],
-                          env=env_vars, capture_output=True, timeout=120).returncode == 0
-    with get_client(sync_client=True) as c:
-        flow_id = c.read_flow_by_name("eval-point").id
-        dep_id = c.create_deployment(
-            flow_id=flow_id, name=f"lost-host-{tag}", work_pool_name=pool, entrypoint="flows/eval_point.py:eval_point",
-            pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
-        )
-    held = [FaultyHTTPProxy(u, [Rule("stall", methods=("POST",), path_contains="/update_weights_from_disk")])
-            for u in cpu_fleet.engine_urls]
-    fleet = FleetBlock(name=f"lost-{tag}", mode="attach", engine_urls=[p.url for p in held],
-                       router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())
-    env = save_point_blocks(tmp_path, fleet)
-    source = _staged(env, 5, tiny_model)
+    with get_client(sync_client=True) as c:  # the API, not `prefect work-pool create`: one Prefect import less
+        c.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                          base_job_template=ProcessWorker.get_default_base_job_template()))
+    # the worker starts first: its start-up (a Prefect import) overlaps the setup below
     log = open(tmp_path / "worker.log", "w")  # noqa: SIM115
     worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
                               cwd=REPO, env=dict(env_vars, PREFECT_WORKER_QUERY_SECONDS="1"), stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
+    held: list[FaultyHTTPProxy] = []
     try:
+        with get_client(sync_client=True) as c:
+            flow_id = c.read_flow_by_name("eval-point").id
+            dep_id = c.create_deployment(
+                flow_id=flow_id, name=f"lost-host-{tag}", work_pool_name=pool,
+                entrypoint="flows/eval_point.py:eval_point",
+                pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
+            )
+        held += [FaultyHTTPProxy(u, [Rule("stall", methods=("POST",), path_contains="/update_weights_from_disk")])
+                 for u in cpu_fleet.engine_urls]
+        fleet = FleetBlock(name=f"lost-{tag}", mode="attach", engine_urls=[p.url for p in held],
+                           router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())
+        env = save_point_blocks(tmp_path, fleet)
+        source = _staged(env, 5, tiny_model)
         with get_client(sync_client=True) as c:
             fr = c.create_flow_run_from_deployment(dep_id, parameters=env.params(5, source=source),
                                                    name=f"{env.run}/step-5")

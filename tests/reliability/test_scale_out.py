@@ -15,6 +15,7 @@ Skipped with a reason when PostgreSQL's server binaries are absent (`scripts/ci-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,8 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prefect import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.workers.process import ProcessWorker
 
-from app.prefect_server import env_set, free_port, start_server, stop_server, use_server
+from app.prefect_server import ServerProcess, env_set, free_port, start_server, stop_server, use_server
 from bench.burst import (
     LocalPostgres,
     PostgresUnavailableError,
@@ -75,15 +79,18 @@ def _start_worker(name: str, env: dict[str, str], log: Path) -> Worker:
     return Worker(name, proc.pid, log)
 
 
-def _stop_worker(worker: Worker) -> None:
-    try:
-        os.killpg(worker.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        wait_for(lambda: _gone(worker.pid), 20, f"worker {worker.name} to stop", 0.2)
-    except TimeoutError:
-        os.killpg(worker.pid, signal.SIGKILL)
+def _stop_workers(workers: list[Worker]) -> None:
+    """SIGTERM every worker at once, then wait for each (SIGKILL after 20 s): their graceful
+    shutdowns overlap instead of adding up."""
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGTERM)
+    for worker in workers:
+        try:
+            wait_for(lambda w=worker: _gone(w.pid), 20, f"worker {worker.name} to stop", 0.2)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
 
 
 def _gone(pid: int) -> bool:
@@ -92,6 +99,14 @@ def _gone(pid: int) -> bool:
     except ChildProcessError:
         return True
     return done == pid
+
+
+def _create_pool(server: ServerProcess, home: Path) -> None:
+    """Process pool `pinned-eval`, through the API (`prefect work-pool create` costs a Prefect import)."""
+    pool = WorkPoolCreate(name="pinned-eval", type="process",
+                          base_job_template=ProcessWorker.get_default_base_job_template())  # fmt: skip
+    with use_server(server.api_url, home, auth_string=server.auth_string), get_client(sync_client=True) as c:
+        c.create_work_pool(pool)
 
 
 @pytest.fixture(scope="module")
@@ -108,18 +123,17 @@ def postgres_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgre
         try:
             env = dict(os.environ, PREFECT_API_URL=server.api_url, PREFECT_HOME=str(home),
                        PINNED_EVAL_PROJECT_DIR=str(REPO), PREFECT_API_AUTH_STRING=server.auth_string)  # fmt: skip
-            pool = prefect_cli("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite", env=env)
-            assert pool.returncode == 0, pool.stdout + pool.stderr
-            dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
-            assert dep.returncode == 0, dep.stdout + dep.stderr
+            _create_pool(server, home)
             worker_env = dict(env, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
                               PREFECT_LOGGING_LEVEL="INFO")  # fmt: skip
             logs = tmp_path_factory.mktemp("pg-workers")
+            # the workers start up (a Prefect import each) while `prefect deploy` runs
             workers = [_start_worker(n, worker_env, logs / f"{n}.log") for n in WORKERS]
+            dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
+            assert dep.returncode == 0, dep.stdout + dep.stderr
             yield PostgresStack(pg, server.api_url, home, tuple(workers), server.auth_string)
         finally:
-            for w in workers:
-                _stop_worker(w)
+            _stop_workers(workers)
             stop_server(server.pid)
 
 
@@ -172,8 +186,6 @@ def test_points_spread_over_two_workers_and_two_fleets_on_postgres(
             finally:
                 for c in clients:
                     c.close()
-            from prefect import get_client
-
             with get_client(sync_client=True) as pc:
                 locks = {n: pc.read_global_concurrency_limit_by_name(f"fleet-{n}") for n in ("scale-a", "scale-b")}
     finally:
