@@ -92,18 +92,21 @@ def throughput(c: Any, client: Any, n: int, export: Any, work: Path) -> dict[str
     out = {}
     variants = {"one worker host": {"worker-a": n}, "two worker hosts": {"worker-a": n // 2, "worker-b": n - n // 2}}
     for label, split in variants.items():
-        created: list[Any] = []
+        batches = []  # everything staged before the first run is created: the span is the hosts' work
         for node, k in split.items():
             run = f"tp{node[-1]}{uuid.uuid4().hex[:5]}"
             names = c.save_run_blocks(run, node, keep_snapshots=k)
-            staged = _stage(c, names, run, range(k), export, work)
-            created += _create(client, node, run, names, staged, policy="backpressure", max_in_flight=k)
+            batches.append((node, run, names, _stage(c, names, run, range(k), export, work)))
+        created: list[Any] = []
+        for node, run, names, staged in batches:
+            created += _create(client, node, run, names, staged, policy="backpressure", max_in_flight=len(staged))
         runs = _wait_final(client, [r.id for r in created], timeout_s=1800)
         measured = [r for r in runs if outcome_of(r.state.type.value, r.state.name) == "measured"]
         span = (max(r.end_time for r in runs) - min(r.created for r in runs)).total_seconds()
         out[label] = {"points": len(runs), "measured": len(measured), "span_s": round(span, 1),
                       "measured_per_min": round(60 * len(measured) / span, 2)}  # fmt: skip
         c.mark(f"throughput, {label}")
+        print(f"throughput, {label}: {out[label]}", flush=True)
     return out
 
 
@@ -154,6 +157,7 @@ def latency(c: Any, client: Any, n: int, export: Any, work: Path) -> tuple[dict[
             states = client.read_flow_run_states(fr.id)
             running = min(s.timestamp for s in states if s.type.value == "RUNNING")
             seen[kind].append((running - sent).total_seconds())
+            print(f"request -> Running, {kind}, {done.name}: {seen[kind][-1]:.2f} s", flush=True)
             if outcome_of(done.state.type.value, done.state.name) != "skipped":
                 odd.append(f"{done.name} ({kind}): {done.state.name} {done.state.message}")
     c.mark("request -> Running")

@@ -8,7 +8,9 @@ trainer's outcome for it (nothing lost, nothing doubled); measured points prove 
 fleet the pin-to-generate windows never overlap (one version at a time) while measured points
 of the two fleets run at the same time (both work in parallel; their pin windows' overlap is
 printed, it depends on timing); the credential is accepted from another host and a
-request without it is refused there.
+request without it is refused there. A worker host's worker SIGKILLed with two points in flight
+there: the janitor deployment crashes exactly those points and retires their snapshots, and
+`pinned-eval rerun` measures them in place (one flow run and one JSONL row per point).
 
 Without root, `ip`, redis-server or prefect-redis the module skips, saying which is missing.
 """
