@@ -42,9 +42,9 @@ from typing import Any
 import httpx
 import yaml
 
-from app.prefect_server import ensure_auth_file, private_dir
+from app.prefect_server import ensure_auth_file, private_dir, use_server
 from app.warm_start import server_command, write_job_template
-from bench.burst import LocalPostgres, running_postgres
+from bench.burst import LocalPostgres, running_postgres, tiny_suite
 from pinned_eval.polling import poll_until
 from pinned_eval.settings import AUTH_FILE_NAME, PrefectApiSettings
 from tests.scaleout.netns import Network, Proc
@@ -82,6 +82,7 @@ class Cluster:
     model: Path
     api: dict[str, Proc] = field(default_factory=dict)  # replica host -> its server process
     workers: dict[str, Proc] = field(default_factory=dict)  # node -> its prefect worker
+    warm: dict[str, Proc] = field(default_factory=dict)  # node -> its warm-start fork server
     fleets: dict[str, Path] = field(default_factory=dict)  # node -> fleet state file
     timeline: list[tuple[str, float]] = field(default_factory=list)  # (phase done, seconds since start)
     t0: float = field(default_factory=time.monotonic)
@@ -188,15 +189,18 @@ class Cluster:
         """The host's warm-start fork server (what the pool's command connects to)."""
         env = self.worker_env(node)
         sock = Path(env["PINNED_EVAL_WARM_SOCKET"])
-        return self.net.start(node, "warm-start", server_command(sock), env=env, log=self.host_dir(node) / "warm.log",
-                              cwd=str(REPO))  # fmt: skip
+        self.warm[node] = self.net.start(node, "warm-start", server_command(sock), env=env,
+                                         log=self.host_dir(node) / "warm.log", cwd=str(REPO))  # fmt: skip
+        return self.warm[node]
 
     def start_worker(self, node: str) -> Proc:
         """The host's process worker: its own queue, and `default` (the janitor)."""
         env = self.worker_env(node)
         argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process",
                 "--name", node, "--work-queue", node, "--work-queue", "default", "--limit", "2"]  # fmt: skip
-        return self.net.start(node, "worker", argv, env=env, log=self.host_dir(node) / "worker.log", cwd=str(REPO))
+        self.workers[node] = self.net.start(node, "worker", argv, env=env, log=self.host_dir(node) / "worker.log",
+                                            cwd=str(REPO))  # fmt: skip
+        return self.workers[node]
 
     def deploy(self) -> None:
         """Block types, the pool (warm-start command), one `eval-point-<node>` deployment per worker host."""
@@ -231,6 +235,29 @@ class Cluster:
                 if proc.returncode != 0:
                     raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out}")
 
+    def save_run_blocks(self, run: str, node: str, *, keep_snapshots: int = 1) -> dict[str, str]:
+        """Blocks of training run `run` measured on `node`'s fleet (tiny suite), staged on S3 under
+        `s3://<bucket>/<run>`, cached on `node`, JSONL at `<root>/sinks/<run>.jsonl`; returns the
+        point parameter -> block name map."""
+        from pydantic import SecretStr
+
+        from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+
+        hd = self.host_dir(node)
+        names = {k: f"{k}-{run}" for k in ("suite", "fleet", "staging", "sinks")}
+        with use_server(self.api_url, self.host_dir("operator") / "home", auth_string=self.auth_string):
+            EvalSuiteBlock(suite=tiny_suite()).save(names["suite"])
+            FleetBlock(name=node, mode="launch", state_file=str(self.fleets[node])).save(names["fleet"], overwrite=True)
+            StagingBlock(
+                root=f"s3://{self.bucket}/{run}", keep_snapshots=keep_snapshots, endpoint_url=self.s3_endpoint,
+                region_name="us-east-1", aws_access_key_id=SecretStr(S3_KEY),
+                aws_secret_access_key=SecretStr(S3_SECRET), cache_dir=str(private_dir(hd / "cache")),
+                cache_max_bytes=50_000_000, source_roots=[str(self.model.parent)],
+            ).save(names["staging"])  # fmt: skip
+            sinks = private_dir(self.root / "sinks")
+            SinksBlock(jsonl_path=str(sinks / f"{run}.jsonl")).save(names["sinks"])
+        return names
+
     def trainer_auth_file(self) -> Path:
         """A 0600 copy of the credential on the trainer host (`PINNED_EVAL_API_AUTH_FILE`)."""
         path = self.host_dir("trainer") / AUTH_FILE_NAME
@@ -251,11 +278,24 @@ class Cluster:
         return self.net.start("trainer", name, [sys.executable, "-m", "tests.scaleout.trainer", str(cfg)],
                               env=env, log=hd / f"{name}.log", cwd=str(REPO))  # fmt: skip
 
-    def stop_fleets(self) -> None:
+    def stop_fleets(self) -> list[subprocess.Popen[bytes]]:
+        """Start `pinned-eval fleet down` for every fleet (all at once); the caller waits for them."""
+        downs = []
         for node, state in self.fleets.items():
+            argv = [sys.executable, "-m", "app.cli", "fleet", "down", "--state-file", str(state)]
             env = self.client_env(self.host_dir(node) / "home")
-            subprocess.run([sys.executable, "-m", "app.cli", "fleet", "down", "--state-file", str(state)],
-                           env=env, capture_output=True, timeout=120)  # fmt: skip
+            downs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return downs
+
+
+def _teardown(net: Network, c: Cluster | None) -> None:
+    """Fleets down and every process stopped, side by side; then the namespaces go."""
+    downs = c.stop_fleets() if c is not None else []
+    try:
+        net.close()
+    finally:
+        for d in downs:
+            d.wait(120)
 
 
 def _alive_or_raise(proc: Proc) -> bool:
@@ -350,17 +390,14 @@ def cluster(root: Path, model: Path) -> Iterator[Cluster]:
                 sock = Path(c.worker_env(node)["PINNED_EVAL_WARM_SOCKET"])
                 poll_until(lambda p=proc, s=sock: _alive_or_raise(p) and s.exists(), timeout_s=180,
                            what=f"{node} fork server socket")  # fmt: skip
-                c.workers[node] = c.start_worker(node)
+                c.start_worker(node)
             c.wait_healthy(c.replica_url("api2"), second)
             _alive_or_raise(services)
             c.mark("workers, api2")
             yield c
             c.mark("used")
-            c.stop_fleets()
-            net.close()
+            _teardown(net, c)
             c.mark("torn down")
     except BaseException:
-        if c is not None:
-            c.stop_fleets()
-        net.close()
+        _teardown(net, c)
         raise

@@ -8,7 +8,7 @@ Contract:
   10.77.1-250.0/24 not already on an interface here.
 - `Network.start(host, argv, ...)` runs `ip netns exec <ns> argv` in a new session (the command
   is exec'd, so the PID is the command's) and records it; `Network.close()` stops every
-  recorded process group (SIGTERM, then SIGKILL) and deletes the namespaces and the bridge, on
+  recorded process group (SIGTERM to all at once, then SIGKILL) and deletes the namespaces and the bridge, on
   any exit path. Names carry a random tag, so two harnesses never share a device.
 - `require_netns()` raises `NetnsUnavailableError` (with the reason) when this process cannot
   create namespaces (not root, no `ip`).
@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -149,17 +150,26 @@ class Network:
             stop_groups([proc.pid], grace_s=grace_s)
         proc.popen.wait(10)
 
+    def stop_all(self, *, grace_s: float = 10.0) -> None:
+        """Stop every recorded process group at once: SIGTERM all, SIGKILL what is left after `grace_s`."""
+        live = [p for p in self.procs if pid_alive(p.pid)]
+        try:
+            stop_groups([p.pid for p in live], grace_s=grace_s)
+        finally:
+            for p in live:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(10)
+
     def close(self) -> None:
-        """Stop every recorded process (newest first), then delete namespaces and links."""
-        errors: list[str] = []
-        for proc in reversed(self.procs):
-            try:
-                self.stop(proc)
-            except Exception as exc:  # teardown goes on; every failure is re-raised below
-                errors.append(f"{proc.role} {proc.pid}: {exc!r}")
+        """Stop every recorded process (all groups at once), then delete namespaces and links."""
+        error: Exception | None = None
+        try:
+            self.stop_all()
+        except Exception as exc:  # teardown goes on; the failure is re-raised below
+            error = exc
         for host in self.hosts.values():
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, timeout=30)
         for link in self._links:
             subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
-        if errors:
-            raise RuntimeError("harness teardown: " + "; ".join(errors))
+        if error is not None:
+            raise RuntimeError(f"harness teardown: {error!r}") from error

@@ -8,13 +8,17 @@ trainer's outcome for it (nothing lost, nothing doubled); measured points prove 
 fleet the pin-to-generate windows never overlap (one version at a time) while measured points
 of the two fleets run at the same time (both work in parallel; their pin windows' overlap is
 printed, it depends on timing); the credential is accepted from another host and a
-request without it is refused there.
+request without it is refused there. A worker host's worker SIGKILLed with two points in flight
+there: the janitor deployment crashes exactly those points and retires their snapshots, and
+`pinned-eval rerun` measures them in place (one flow run and one JSONL row per point).
 
 Without root, `ip`, redis-server or prefect-redis the module skips, saying which is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -24,16 +28,20 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
+import psutil
 import pytest
-from pydantic import SecretStr
+from prefect import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from app.prefect_server import private_dir, use_server
-from bench.burst import tiny_suite
-from blocks import EvalSuiteBlock, FleetBlock, SinksBlock, StagingBlock
+from blocks import StagingBlock
 from pinned_eval.polling import poll_until
-from tests.scaleout.harness import NODES, REPO, S3_KEY, S3_SECRET, Cluster, ServiceUnavailableError, cluster
+from pinned_eval.sinks import JsonlSink
+from tests.pointkit import write_step_snapshot
+from tests.scaleout.harness import NODES, REPO, Cluster, ServiceUnavailableError, cluster
 from tests.scaleout.netns import NetnsUnavailableError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -59,22 +67,10 @@ class RunSetup:
     config: dict
 
 
-def save_run_blocks(c: Cluster, node: str, tag: str) -> RunSetup:
+def save_run_blocks(c: Cluster, node: str, tag: str, *, keep_snapshots: int = 1) -> RunSetup:
     """Blocks of one training run measured on `node`'s fleet, staged on S3, cached on `node`."""
     run = f"{node[-1]}{tag}"
-    hd = c.host_dir(node)
-    names = {k: f"{k}-{run}" for k in ("suite", "fleet", "staging", "sinks")}
-    with use_server(c.api_url, c.host_dir("operator") / "home", auth_string=c.auth_string):
-        EvalSuiteBlock(suite=tiny_suite()).save(names["suite"])
-        FleetBlock(name=node, mode="launch", state_file=str(c.fleets[node])).save(names["fleet"], overwrite=True)
-        StagingBlock(
-            root=f"s3://{c.bucket}/{run}", keep_snapshots=1, endpoint_url=c.s3_endpoint, region_name="us-east-1",
-            aws_access_key_id=SecretStr(S3_KEY), aws_secret_access_key=SecretStr(S3_SECRET),
-            cache_dir=str(private_dir(hd / "cache")), cache_max_bytes=50_000_000,
-            source_roots=[str(c.model.parent)],
-        ).save(names["staging"])  # fmt: skip
-        sinks = private_dir(c.root / "sinks")
-        SinksBlock(jsonl_path=str(sinks / f"{run}.jsonl")).save(names["sinks"])
+    names = c.save_run_blocks(run, node, keep_snapshots=keep_snapshots)
     trainer = c.host_dir("trainer")
     config = {
         "run": run, "blocks": names, "policy": "skip", "max_in_flight": 2, "steps": STEPS, "step_seconds": 0.3,
@@ -183,6 +179,114 @@ def test_two_trainers_two_fleets_through_replicas_one_replica_killed(scale_clust
     print(f"overlap of measured points: {overlap:.1f}s, of pin..generate windows: {pin_overlap:.1f}s;",
           "measured per fleet:", {n: len(w) for n, w in windows.items()})  # fmt: skip
     assert overlap > 0, points
+
+
+def _kill_worker_host(c: Cluster, node: str) -> list[int]:
+    """SIGKILL `node`'s worker and every process under it (the warm-start clients of its flow runs);
+    return the PIDs its fork server had forked (handlers and flow-run processes: a handler SIGKILLs
+    its flow-run process when the client's connection drops, `app.warm_start.server`)."""
+    worker = psutil.Process(c.workers[node].pid)
+    forked = [p.pid for p in psutil.Process(c.warm[node].pid).children(recursive=True)]
+    for p in [*worker.children(recursive=True), worker]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    c.workers[node].popen.wait(30)
+    return forked
+
+
+@pytest.mark.timeout(900)
+def test_worker_host_lost_mid_point_janitor_retires_and_points_rerun(scale_cluster: Cluster):
+    """worker-b's worker SIGKILLed while two points run there: the janitor deployment (run by
+    worker-a) crashes exactly those two, retires their staged snapshots into the keep-ring and
+    records `skipped_crashed`; with the worker back, `pinned-eval rerun` retries both in place and
+    they are measured: one flow run and one JSONL row per point."""
+    from flows.janitor import last_activity
+
+    c, node, steps = scale_cluster, "worker-b", [0, 1]
+    r = save_run_blocks(c, node, f"lost{uuid.uuid4().hex[:4]}", keep_snapshots=len(steps))
+    blocks, jsonl = r.config["blocks"], c.root / "sinks" / f"{r.run}.jsonl"
+    # the points block in their log task on the sink's lock, held here: in flight, deterministically
+    lock = open(jsonl.with_name(jsonl.name + ".lock"), "a")  # noqa: SIM115 - closed after the kill
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    with use_server(c.api_url, c.host_dir("operator") / "home", auth_string=c.auth_string):
+        store = StagingBlock.load(blocks["staging"]).staging()
+        snapshots = private_dir(c.root / "snapshots")
+        with get_client(sync_client=True) as client:
+            try:
+                dep = client.read_deployment_by_name(f"eval-point/eval-point-{node}")
+                ids = {}
+                for step in steps:
+                    local = write_step_snapshot(c.model, str(snapshots / f"{r.run}-{step}"))
+                    fr = client.create_flow_run_from_deployment(
+                        dep.id, name=f"{r.run}/step-{step}", tags=[f"run:{r.run}", f"step:{step}"],
+                        parameters={"run": r.run, "step": step, **blocks, "policy": "backpressure",
+                                    "max_in_flight": len(steps),
+                                    "source": {"kind": "staged", "path": store.put(local, r.run, step)}},
+                    )  # fmt: skip
+                    ids[step] = fr.id
+                by_id = FlowRunFilter(id=FlowRunFilterId(any_=list(ids.values())))
+
+                def held() -> bool:
+                    running = all(client.read_flow_run(i).state.is_running() for i in ids.values())
+                    tasks = client.read_task_runs(flow_run_filter=by_id)
+                    return running and any(t.name.startswith("log-") and t.state.is_running() for t in tasks)
+
+                poll_until(held, timeout_s=400, interval_s=1, what=f"both points running on {node}, one logging")
+                forked = _kill_worker_host(c, node)
+                c.mark(f"{node} worker killed mid-point")
+                poll_until(lambda: not any(psutil.pid_exists(p) for p in forked), timeout_s=30,
+                           what=f"{node}'s flow-run processes to die with their clients")  # fmt: skip
+            finally:
+                lock.close()
+            states = {s: client.read_flow_run(i).state for s, i in ids.items()}
+            assert all(st.is_running() for st in states.values()), f"zombies: nobody reports the loss {states}"
+
+            # the janitor, a deployment run on the `default` queue: only worker-a polls it now
+            window = 3.0
+            poll_until(lambda: all((datetime.now(UTC) - last_activity(client, client.read_flow_run(i)))
+                                   .total_seconds() > window + 1 for i in ids.values()),
+                       timeout_s=60, what="the zombies to be quiet past the window")  # fmt: skip
+            jan = client.create_flow_run_from_deployment(
+                client.read_deployment_by_name("janitor/janitor").id,
+                parameters={"heartbeat_window_s": window, "run": r.run, "staging": [blocks["staging"]]},
+            )
+            done = poll_until(lambda: (f := client.read_flow_run(jan.id)).state.is_final() and f, timeout_s=300,
+                              interval_s=1, what="the janitor's run")  # fmt: skip
+            assert done.state.is_completed(), done.state
+            crashed = {s: client.read_flow_run(i).state for s, i in ids.items()}
+            assert all(st.is_crashed() and st.message.startswith("janitor: no activity") for st in crashed.values()), (
+                crashed
+            )
+        assert [(s.step, s.retired) for s in store.list(r.run)] == [(s, True) for s in steps]
+        rows = sorted(JsonlSink(jsonl).read(r.run), key=lambda x: x.step)
+        assert [(x.step, x.state, x.reason, x.flow_run_id) for x in rows] == [
+            (s, "failed", "crashed", str(ids[s])) for s in steps
+        ], rows
+
+        # the host's worker is back; `pinned-eval rerun` (from the trainer host) retries each point in place
+        c.start_worker(node)
+        env = dict(os.environ, PREFECT_API_URL=c.api_url, PINNED_EVAL_API_AUTH_FILE=str(c.trainer_auth_file()),
+                   PINNED_EVAL_HOME=str(private_dir(c.host_dir("trainer") / "home")), PYTHONPATH=str(REPO))  # fmt: skip
+        env.pop("PREFECT_API_AUTH_STRING", None)
+        reruns = []
+        for s in steps:
+            argv = [sys.executable, "-m", "app.cli", "rerun", "--run", r.run, "--step", str(s), "--wait", "--timeout",
+                    "600"]  # fmt: skip
+            log = c.host_dir("trainer") / f"rerun-{s}.log"
+            reruns.append(c.net.start("trainer", f"rerun-{s}", argv, env=env, log=log, cwd=str(REPO)))
+        for p in reruns:
+            poll_until(lambda p=p: not p.alive(), timeout_s=700, what=lambda p=p: f"{p.role}:\n{p.tail()}")
+            assert p.popen.returncode == 0, p.tail()
+            assert f"retrying {r.run}/step-{p.role[6:]} in place" in p.tail(), p.tail()
+        c.mark("janitor, reruns")
+        # one terminal record per point: the same flow run, run twice, measured; one JSONL row, measured
+        rows_pg = c.pg.psql(f"select name, state_type, run_count from flow_run where name like '{r.run}/step-%' "
+                            "order by name")  # fmt: skip
+        assert rows_pg.splitlines() == [f"{r.run}/step-{s}|COMPLETED|2" for s in steps], rows_pg
+        rows = sorted(JsonlSink(jsonl).read(r.run), key=lambda x: x.step)  # file order: the order they ended
+        assert [(x.step, x.state, x.flow_run_id) for x in rows] == [(s, "measured", str(ids[s])) for s in steps], rows
+        assert [x.metrics["eval/arith_add/weight_version/mean"] for x in rows] == steps, rows
+        assert [(s.step, s.retired) for s in store.list(r.run)] == [(s, True) for s in steps]
 
 
 def test_credential_across_hosts(scale_cluster: Cluster):
