@@ -1,7 +1,7 @@
 """`python -m bench`: run the benchmark modules `bench/<name>.py` that define `main()`.
 
 Usage:
-- `python -m bench`: every module, each with its defaults;
+- `python -m bench`: every module except those in `BY_NAME_ONLY`, each with its defaults;
 - `python -m bench NAME [NAME...]`: only the named ones, each with its defaults;
 - `python -m bench NAME ARGS...`: one module, its `main` given `ARGS` (as soon as an argument is
   not a module name, everything after `NAME` is that module's), e.g.
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 _HELP = (["-h"], ["--help"])
+BY_NAME_ONLY = {"multihost"}  # needs root and network namespaces: `python -m bench multihost`
 
 
 def modules() -> list[str]:
@@ -33,7 +34,7 @@ def plan(argv: list[str]) -> list[tuple[str, list[str] | None]]:
     """(module, its arguments or None for its defaults) to run, in order; `SystemExit` on an unknown name."""
     known = modules()
     if not argv:
-        return [(name, None) for name in known]
+        return [(name, None) for name in known if name not in BY_NAME_ONLY]
     if argv[0] not in known:
         raise SystemExit(f"python -m bench: no benchmark {argv[0]!r}; known: {', '.join(known)}")
     if all(arg in known for arg in argv):
