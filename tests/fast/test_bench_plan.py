@@ -19,5 +19,5 @@ def test_a_by_name_module_runs_when_named_with_or_without_arguments() -> None:
 
 
 def test_an_unknown_name_is_an_error_naming_the_known_ones() -> None:
-    with pytest.raises(SystemExit, match="no benchmark 'nope'; known: .*multihost"):
+    with pytest.raises(SystemExit, match=r"no benchmark 'nope'; known: .*multihost"):
         plan(["nope"])
