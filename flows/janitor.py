@@ -189,6 +189,7 @@ def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live:
         return report
     now = datetime.now(UTC).timestamp()
     runs_cache: dict[str, dict[int, list[FlowRun]]] = {}
+    protect_cache: dict[tuple[str, str], frozenset[int] | None] = {}  # one JSONL ranking per (run, sinks)
     with get_client(sync_client=True) as client:
         for snap in staging.list(run):
             if snap.retired:
@@ -206,7 +207,10 @@ def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live:
             if not runs and now - snap.mtime < orphan_age_s:
                 report.kept_live.append(snap.path)  # its request may still be on its way
                 continue
-            staging.retire(snap.path, owned=True, protect=_protect(block, snap.run, _sinks_of(runs)))
+            key = (snap.run, _sinks_of(runs))
+            if key not in protect_cache:
+                protect_cache[key] = _protect(block, *key)
+            staging.retire(snap.path, owned=True, protect=protect_cache[key])
             report.retired.append(snap.path)
             logger.info("retired orphaned snapshot %s (%s)", snap.path, "no point" if not runs else "points ended")
     return report

@@ -141,25 +141,19 @@ def test_a_transient_server_error_while_acquiring_is_retried(api_through, fault:
     assert _lease_posts(proxy) == [fault, fault, "pass"]
 
 
-def test_a_client_error_while_acquiring_is_not_retried(api_through) -> None:
-    name = f"fleet-4xx-{uuid.uuid4().hex[:8]}"
-    proxy = api_through(Rule("error", methods=("POST",), path_contains="increment-with-lease", status=400))
+@pytest.mark.parametrize(
+    ("status", "patience_s"),
+    [(400, 60), (503, 0)],
+    ids=["client-error-not-retried", "transient-past-the-patience"],
+)
+def test_an_error_that_is_not_retried_is_raised_after_one_try(api_through, status: int, patience_s: float) -> None:
+    """A 4xx is never retried; a 5xx is not once no patience is left after the first try."""
+    name = f"fleet-once-{status}-{uuid.uuid4().hex[:8]}"
+    proxy = api_through(Rule("error", methods=("POST",), path_contains="increment-with-lease", status=status))
     with (
         temporary_settings({PREFECT_API_URL: f"{proxy.url}/api", PREFECT_CLIENT_MAX_RETRIES: 0}),
-        pytest.raises(ConcurrencySlotAcquisitionError, match="400"),
-        exclusive(name, patience_s=60),
+        pytest.raises(ConcurrencySlotAcquisitionError, match=str(status)),
+        exclusive(name, patience_s=patience_s),
     ):
         pytest.fail("entered the body without the lock")
     assert _lease_posts(proxy) == ["error"]
-
-
-def test_transient_errors_past_the_patience_are_raised(api_through) -> None:
-    name = f"fleet-patience-{uuid.uuid4().hex[:8]}"
-    proxy = api_through(Rule("error", methods=("POST",), path_contains="increment-with-lease", status=503))
-    with (
-        temporary_settings({PREFECT_API_URL: f"{proxy.url}/api", PREFECT_CLIENT_MAX_RETRIES: 0}),
-        pytest.raises(ConcurrencySlotAcquisitionError, match="503"),
-        exclusive(name, patience_s=0),
-    ):
-        pytest.fail("entered the body without the lock")
-    assert _lease_posts(proxy) == ["error"]  # no patience left after the first try: raised, not retried
