@@ -12,8 +12,8 @@ calls which function and runs each mutant against those tests only.
     python scripts/mutants.py --report         # the table from the last results, nothing run
     python scripts/mutants.py spool --against tests/fast/test_sec_spool.py   # quick lower bound
 
-`--against FILE...` runs each mutant of the named modules one at a time against only those test
-files (`MUTANT_UNDER_TEST=<name>` in mutants/, after a `mutmut run` generated them): a mutant one of
+`--against FILE...` runs each mutant of the named modules alone (`--children` at a time) against only
+those test files (`MUTANT_UNDER_TEST=<name>` in mutants/, after a `mutmut run` generated them): a mutant one of
 them fails is killed whatever the other tests say, so its score is a lower bound, and minutes
 instead of hours where the full selection starts threads and servers. A run past `--timeout` is
 counted under "other", not killed. Its results go to
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,8 +111,8 @@ def _run(names: list[str], children: int) -> float:
     return time.monotonic() - t0
 
 
-def _against(source: str, tests: list[str], timeout_s: float, match: list[str]) -> dict[str, int | None]:
-    """Each mutant of `source`, one at a time, against `tests` only; exit code by mutant name."""
+def _against(source: str, tests: list[str], timeout_s: float, match: list[str], children: int) -> dict[str, int | None]:
+    """Each mutant of `source` alone against `tests` only, `children` at a time; exit code by mutant name."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "mutants")}  # the mutated packages, not the tree's
     for t in tests:  # the tests as they are now, not as the last `mutmut run` copied them
         shutil.copy2(ROOT / t, ROOT / "mutants" / t)
@@ -119,9 +120,11 @@ def _against(source: str, tests: list[str], timeout_s: float, match: list[str]) 
     out = ROOT / "mutants" / f"{source}.against.json"
     # constructors last: their mutants are the ones any test kills; the rest first, should a run be cut short
     names = [n for n in _results(source) if not match or any(m in n for m in match)]
-    for name in sorted(names, key=lambda n: ("__init__" in n, n)):
+    names.sort(key=lambda n: ("__init__" in n, n))
+
+    def one(name: str) -> int | None:
         try:
-            rc: int | None = subprocess.run(
+            return subprocess.run(
                 ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                 cwd=ROOT / "mutants",
                 env={**env, "MUTANT_UNDER_TEST": name},
@@ -131,11 +134,14 @@ def _against(source: str, tests: list[str], timeout_s: float, match: list[str]) 
                 check=False,
             ).returncode
         except subprocess.TimeoutExpired:
-            rc = None  # not counted as killed: on a loaded machine a slow run is no proof of a hang
-        codes[name] = rc
-        verdict = "timeout" if rc is None else "killed" if rc in KILLED else "survived" if rc in SURVIVED else rc
-        print(f"  {name}: {verdict}", flush=True)
-        out.write_text(json.dumps({"tests": tests, "codes": codes}))  # after each: a cut-short run keeps its part
+            return None  # not counted as killed: on a loaded machine a slow run is no proof of a hang
+
+    with ThreadPoolExecutor(max_workers=children) as pool:
+        for name, rc in zip(names, pool.map(one, names), strict=True):
+            codes[name] = rc
+            verdict = "timeout" if rc is None else "killed" if rc in KILLED else "survived" if rc in SURVIVED else rc
+            print(f"  {name}: {verdict}", flush=True)
+            out.write_text(json.dumps({"tests": tests, "codes": codes}))  # after each: a cut-short run keeps its part
     return codes
 
 
@@ -173,7 +179,7 @@ def main() -> None:
         rows = []
         for module, source, _tests in chosen:
             t0 = time.monotonic()
-            codes = _against(source, args.against, args.timeout, args.match or [])
+            codes = _against(source, args.against, args.timeout, args.match or [], args.children)
             rows.append(_row(module, source, time.monotonic() - t0, list(codes.values())))
         _print_table(rows)
         return
