@@ -90,9 +90,9 @@ def _wait_final(client: Any, ids: list[Any], timeout_s: float) -> list[Any]:
 _HZ = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit (jiffies per second)
 
 
-def _cpu_times() -> tuple[int, int]:
+def _cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs since boot, from /proc/stat (idle and iowait are not busy)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    fields = [int(x) for x in stat.read_text().splitlines()[0].split()[1:]]
     return sum(fields) - fields[3] - fields[4], sum(fields)
 
 

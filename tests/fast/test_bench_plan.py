@@ -21,3 +21,12 @@ def test_a_by_name_module_runs_when_named_with_or_without_arguments() -> None:
 def test_an_unknown_name_is_an_error_naming_the_known_ones() -> None:
     with pytest.raises(SystemExit, match=r"no benchmark 'nope'; known: .*multihost"):
         plan(["nope"])
+
+
+def test_cpu_busy_counts_every_state_but_idle_and_iowait(tmp_path) -> None:
+    """The multi-host bench's 'CPU busy' column: /proc/stat's first line, idle (4th) and iowait (5th) excluded."""
+    from bench import multihost
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 7 50 1000 30 3 2 1 0 0\ncpu0 50 3 25 500 15 1 1 0 0 0\n")
+    assert multihost._cpu_times(stat) == (163, 1193)
