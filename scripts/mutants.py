@@ -50,7 +50,7 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
     (
         "trainer_integration.admission_sync",
         "trainer_integration/admission_sync.py",
-        (*_EVAL_CLIENT, "test_mut_admission"),
+        (*_EVAL_CLIENT, "test_mut_admission", "test_mut_admission_thread"),
     ),
     (
         "pinned_eval.snapshot.confined",
@@ -59,7 +59,7 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     ("trainer_integration.admission", "trainer_integration/admission.py", (*_EVAL_CLIENT, "test_mut_admission")),
     ("pinned_eval.scoring.metrics", "pinned_eval/scoring/metrics.py", ("test_metrics", "test_mut_metrics")),
-    ("trainer_integration.spool", "trainer_integration/spool.py", _EVAL_CLIENT),
+    ("trainer_integration.spool", "trainer_integration/spool.py", (*_EVAL_CLIENT, "test_mut_spool")),
     (
         "pinned_eval.snapshot.check",
         "pinned_eval/snapshot/check.py",
