@@ -11,10 +11,12 @@ import logging
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+import trainer_integration.admission as admission_mod
 from pinned_eval.events import BlockNames
 from pinned_eval.points import PointRequest, SnapshotSource
 from trainer_integration.admission import AdmissionView
@@ -153,6 +155,52 @@ def test_backpressure_waits_and_skip_does_not() -> None:
     view.refresh([_run(2, "RUNNING")], set())
     assert _decide(view, 3, policy="skip", wake=wake) == ("busy", 1, 0.0, False)
     assert len(wakes) == 1
+
+
+class _Clock:
+    """The admission module's `time`: advanced only by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_the_seconds_waited_add_up_over_every_wait(monkeypatch) -> None:
+    """Two waits (a refresh that leaves the slot full, then one that frees it): `waited` is the sum
+    of both, read from the module's clock, which only `wake` advances (2.5 s, then 4 s)."""
+    clock = _Clock()
+    monkeypatch.setattr(admission_mod, "time", SimpleNamespace(monotonic=clock.monotonic))
+    view = AdmissionView("exp", visible_timeout_s=60)
+    view.refresh([_run(1, "RUNNING")], set())
+    answers = iter([([_run(1, "RUNNING")], 2.5), ([_run(1, "COMPLETED")], 4.0)])
+    refreshers: list[threading.Thread] = []
+
+    def wake() -> None:  # called with the view's lock held: the refresh runs once the wait releases it
+        runs, seconds = next(answers)
+        clock.now += seconds
+        refreshers.append(threading.Thread(target=view.refresh, args=(runs, set())))
+        refreshers[-1].start()
+
+    assert _decide(view, 2, policy="backpressure", wake=wake, poll_s=30) == ("ok", 0, 6.5, False)
+    for t in refreshers:
+        t.join(30)
+
+
+def test_a_slot_freed_by_the_visibility_timeout_alone_ends_the_wait_at_the_next_poll(monkeypatch) -> None:
+    """No refresh notifies the waiter: the wait ends at `poll_s`, and the request older than the
+    visibility timeout (by the module's clock) no longer holds a slot."""
+    clock = _Clock()
+    monkeypatch.setattr(admission_mod, "time", SimpleNamespace(monotonic=clock.monotonic))
+    view = AdmissionView("exp", visible_timeout_s=5)
+    view.refresh([], set())
+    view.note(event_entry(_request(1), BLOCKS))  # requested at 1000: in flight until 1005
+
+    def wake() -> None:
+        clock.now += 10.0
+
+    assert _decide(view, 2, policy="backpressure", wake=wake, poll_s=0.01) == ("ok", 0, 10.0, False)
 
 
 def test_a_spooled_request_stays_in_flight_past_the_visibility_timeout() -> None:

@@ -106,17 +106,17 @@ class _Clock:
 
 class _Recorder(threading.Event):
     """The loop's `_wake`: records (timeout, view fresh?, first answered?) per wait, returns at once,
-    advances the clock by `tick`, and stops the loop after `limit` waits."""
+    advances the clock by the next of `ticks`, and stops the loop after `limit` waits."""
 
-    def __init__(self, sync: AdmissionSync, limit: int, clock: _Clock | None = None, tick: float = 0.0) -> None:
+    def __init__(self, sync: AdmissionSync, limit: int, clock: _Clock | None = None, ticks: tuple = ()) -> None:
         super().__init__()
-        self.sync, self.limit, self.clock, self.tick = sync, limit, clock, tick
+        self.sync, self.limit, self.clock, self.ticks = sync, limit, clock, list(ticks)
         self.log: list[tuple[float | None, bool, bool]] = []
 
     def wait(self, timeout: float | None = None) -> bool:
         self.log.append((timeout, self.sync.view.fresh, self.sync._first.is_set()))
         if self.clock is not None:
-            self.clock.now += self.tick
+            self.clock.now += self.ticks.pop(0)
         if len(self.log) >= self.limit:
             self.sync._stop.set()
         return self.is_set()
@@ -183,18 +183,18 @@ def test_it_polls_while_a_point_may_be_in_flight_or_the_query_fails_and_idles_ot
 def test_a_failing_query_is_a_warning_only_once_it_has_failed_for_over_a_minute(
     api_factory, monkeypatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    api = api_factory([GARBLED, GARBLED, GARBLED, GARBLED, _runs(), GARBLED])
+    api = api_factory([GARBLED, GARBLED, GARBLED, GARBLED, GARBLED, _runs(), GARBLED])
     clock = _Clock()
     monkeypatch.setattr(sync_mod, "time", SimpleNamespace(monotonic=clock.monotonic))
     sync = _sync(api)
-    sync._wake = _Recorder(sync, limit=6, clock=clock, tick=30.0)  # each pass comes 30 s after the last
+    sync._wake = _Recorder(sync, limit=7, clock=clock, ticks=(30.0, 30.0, 1.0, 29.0, 30.0, 30.0, 0.0))
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         sync._loop()
     message = "pinned-eval: admission state of exp not refreshed (Expecting value: line 1 column 1 (char 0))"
-    # failing for 0, 30, 60 s: debug; 90 s: warning; a good answer restarts the clock
+    # failing for 0, 30, 60 s: debug; 61, 90 s: warning; a good answer restarts the clock
     assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER] == [
         (logging.DEBUG, message), (logging.DEBUG, message), (logging.DEBUG, message), (logging.WARNING, message),
-        (logging.DEBUG, message),
+        (logging.WARNING, message), (logging.DEBUG, message),
     ]
 
 

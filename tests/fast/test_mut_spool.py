@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -169,13 +170,16 @@ def test_numbers_follow_the_counter_and_every_entry_here(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("counter", [None, "not a number"])
-def test_a_lost_counter_restarts_past_rejected_and_quarantined_entries(tmp_path: Path, counter: str | None) -> None:
+@pytest.mark.parametrize(("rejected", "quarantined"), [(3, 7), (9, 7)])
+def test_a_lost_counter_restarts_past_rejected_and_quarantined_entries(
+    tmp_path: Path, counter: str | None, rejected: int, quarantined: int
+) -> None:
     spool = Spool(tmp_path / "s")
-    (spool.dir / "rejected" / "000000000003.json").write_text("{}")
-    (spool.dir / "quarantine" / "000000000007.json").write_text("{}")
+    (spool.dir / "rejected" / f"{rejected:012d}.json").write_text("{}")
+    (spool.dir / "quarantine" / f"{quarantined:012d}.json").write_text("{}")
     if counter is not None:
         (spool.dir / ".seq").write_text(counter)
-    assert spool.append(_entry(1)).seq == 8
+    assert spool.append(_entry(1)).seq == max(rejected, quarantined) + 1
     fresh = Spool(tmp_path / "fresh")
     assert fresh.append(_entry(1)).seq == 1
 
@@ -292,6 +296,17 @@ def test_a_rejected_entry_moves_aside_with_its_reason(tmp_path: Path) -> None:
     spool.remove(b)
     spool.reject(b, "gone already")  # its file was removed meanwhile: still recorded, no error
     assert spool.rejected() == [(a, "422: bad step"), (b, "gone already")]
+
+
+def test_a_rejected_entry_is_kept_in_json_whatever_its_body_holds(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s")
+    entry = spool.append(SpoolEntry(kind="event", run="exp1", step=1, key="k1",
+                                    body={"at": datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC), "pair": (1, 2)}))
+    spool.reject(entry, "400")
+    stored = json.loads((spool.dir / "rejected" / "000000000001.json").read_text())
+    assert stored["entry"]["body"] == {"at": "2026-01-02T03:04:05Z", "pair": [1, 2]}
+    assert json.loads((spool.dir / "rejected" / "000000000001.json").read_text())["entry"] == json.loads(
+        entry.model_dump_json())  # as the spool wrote it
 
 
 # ---- the deliverer ------------------------------------------------------------------------------------
@@ -488,6 +503,7 @@ def test_a_delivery_clears_the_last_error_and_a_new_error_is_logged_again(
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert deliverer.deliver_pending() is False
         assert deliverer.deliver_pending() is True  # step 1 delivered (step 2 appended meanwhile)
+        assert deliverer.last_error is None
         assert deliverer.deliver_pending() is False  # step 2 failed with the same text: logged, as new
     assert deliverer.last_error == "503"
     assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == [
@@ -535,3 +551,26 @@ def test_flush_polls_every_0_2_s_until_exactly_its_deadline(tmp_path: Path, monk
     deliverer._idle = _RecordingCondition(waits)
     assert deliverer.flush(0.5) is False
     assert waits.log == [("idle", 0.2), ("idle", 0.2), ("idle", 0.2), ("idle", 0.125)]
+
+
+def test_stop_waits_at_most_its_timeout_for_a_delivery_in_progress(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s")
+    spool.append(_entry(1))
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(entry: SpoolEntry) -> None:  # an API call that hangs
+        inside.set()
+        release.wait(10)
+
+    deliverer = Deliverer(spool, slow)
+    deliverer.start()
+    thread = deliverer._thread
+    assert thread is not None and inside.wait(30)
+    try:
+        deliverer.stop(timeout=0.05)
+        assert thread.is_alive()  # stop returned while the delivery still hangs
+        assert deliverer._thread is None
+    finally:
+        release.set()
+        thread.join(30)
+    assert [e.step for e in spool.pending()] == []  # the delivery in progress completed; nothing lost
