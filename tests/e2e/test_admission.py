@@ -5,16 +5,18 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from unittest import mock
 
 import pytest
 from prefect import get_client
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from pinned_eval.points import inflight_limit_name
 from pinned_eval.skips import EvalSkipped, SkipReason
-from tasks.admission import admitted, ensure_limit, exclusive
+from tasks.admission import _hold, admitted, ensure_limit, exclusive
 from tests.reliability.netfaults import FaultyHTTPProxy, Rule
 from tests.slots import SlotHolder, refusals
 
@@ -56,6 +58,15 @@ def test_skip_policy_admits_up_to_exactly_the_bound(prefect_server: str) -> None
             assert info.value.reason == SkipReason.BUSY
         assert active_slots(inflight_limit_name(run)) == 1
     assert active_slots(inflight_limit_name(run)) == 0
+
+
+def test_a_slot_of_a_limit_that_does_not_exist_is_refused_never_granted(prefect_server: str) -> None:
+    """`strict=True`: a limit deleted (or never created) is an error, not an unlimited slot."""
+    name = f"adm-missing-{uuid.uuid4().hex[:8]}"
+    with ExitStack() as stack, pytest.raises(ConcurrencySlotAcquisitionError):
+        _hold(stack, name, max_retries=0, patience_s=0)
+    with get_client(sync_client=True) as c, pytest.raises(ObjectNotFound):
+        c.read_global_concurrency_limit_by_name(name)  # nothing was created on the way
 
 
 def test_existing_limit_size_is_kept(prefect_server: str) -> None:
