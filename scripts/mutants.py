@@ -64,12 +64,12 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
     (
         "pinned_eval.snapshot.check",
         "pinned_eval/snapshot/check.py",
-        ("test_snapshot_check", "test_sec_snapshot_metadata", "test_staging_paths"),
+        ("test_snapshot_check", "test_sec_snapshot_metadata", "test_staging_paths", "test_mut_check"),
     ),
     (
         "pinned_eval.snapshot.staging",
         "pinned_eval/snapshot/staging.py",
-        ("test_staging_paths", "test_sec_staging", "test_sec_payloads", "test_eval_client"),
+        ("test_staging_paths", "test_sec_staging", "test_sec_payloads", "test_eval_client", "test_mut_staging"),
     ),
 ]
 

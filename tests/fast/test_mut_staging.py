@@ -95,8 +95,12 @@ def _dead_pid() -> int:
 
 @pytest.fixture
 def live_child() -> Iterator[subprocess.Popen[bytes]]:
-    """A child blocked on stdin: alive until its stdin closes, then it exits 0 (unless signalled)."""
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    """A child blocked on stdin: alive until its stdin closes, then it exits 0 (unless signalled).
+
+    SIGHUP is set back to its default (a parent under nohup ignores it) before the child says ready."""
+    code = "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); print(flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"\n"
     yield child
     if child.poll() is None:
         child.kill()
@@ -585,7 +589,7 @@ def test_clean_abandoned_tmp_removes_only_dead_pids(tmp_path: Path, live_child: 
 def test_pid_alive(live_child: subprocess.Popen[bytes]) -> None:
     assert _pid_alive(live_child.pid) is True
     assert _pid_alive(_dead_pid()) is False
-    assert live_child.communicate(b"", timeout=60) == (None, None)
+    assert live_child.communicate(b"", timeout=60) == (b"", None)
     assert live_child.returncode == 0  # the probe sent no real signal
     if os.geteuid() != 0 and os.stat("/proc/1").st_uid != os.geteuid():
         assert _pid_alive(1) is True  # another user's process: PermissionError, still alive
