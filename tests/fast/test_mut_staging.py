@@ -632,3 +632,13 @@ def test_lru_eviction(s3: S3Server, tmp_path: Path, live_child: subprocess.Popen
     (busy / "part").write_bytes(b"x" * 100)
     assert bounded(0).materialize(d) == ed  # the entry just used stays, however old and over the bound
     assert cached() == {ed.name, "notes.txt", busy.name}
+
+
+def test_each_run_has_its_own_keep_ring(tmp_path: Path) -> None:
+    """A retire ranks only its own run's retired snapshots: another run's ring is never trimmed."""
+    staging = _local(tmp_path, keep_snapshots=1)
+    a1, b1, b2 = _stage(staging, 1, "runa"), _stage(staging, 1, "runb"), _stage(staging, 2, "runb")
+    assert staging.retire(a1, owned=True) == RetireResult(a1, owned=True, deleted=[], kept=[a1])
+    assert staging.retire(b1, owned=True) == RetireResult(b1, owned=True, deleted=[], kept=[b1])
+    assert staging.retire(b2, owned=True) == RetireResult(b2, owned=True, deleted=[b1], kept=[b2])
+    assert [(s.run, s.step) for s in staging.list()] == [("runa", 1), ("runb", 2)]
