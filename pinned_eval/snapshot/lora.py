@@ -43,10 +43,12 @@ from pinned_eval.snapshot.layout import (
     INDEX,
     MARKER,
     Manifest,
+    is_local,
     join,
     resolve,
     to_url,
 )
+from pinned_eval.trusted_paths import make_private_dirs
 
 _PREFIX = "base_model.model."
 
@@ -271,7 +273,10 @@ def write_adapter_snapshot(
     marker = join(fs, root, MARKER)
     if fs.exists(marker):
         fs.rm(marker)  # a stale marker must never vouch for the files written below
-    fs.makedirs(root, exist_ok=True)
+    if is_local(fs):
+        make_private_dirs(root, "snapshot directory")  # 0700, below trusted directories only
+    else:
+        fs.makedirs(root, exist_ok=True)
     if fs.exists(join(fs, root, ADAPTER_INDEX)):  # this writer writes one file; an old index would misname it
         fs.rm(join(fs, root, ADAPTER_INDEX))
     fs.pipe_file(join(fs, root, ADAPTER_CONFIG), config)

@@ -59,6 +59,7 @@ from pinned_eval.snapshot.layout import (
     shard_name,
     to_url,
 )
+from pinned_eval.trusted_paths import make_private_dirs
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -290,7 +291,7 @@ def write_snapshot(
         try:
             _clear_stale(fs, root)
             if is_local(fs):
-                fs.makedirs(root, exist_ok=True)
+                make_private_dirs(root, "snapshot directory")  # 0700, below trusted directories only
             _collect(tensors, specs, weight_map, w)
             total = sum(s.nbytes for s in plan)
             index = {"metadata": {"total_size": total, EXPORT_ID_KEY: export_id},
