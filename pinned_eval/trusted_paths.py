@@ -14,7 +14,8 @@ Because only trusted users can change trusted directories, a check holds until t
 no window for another user between the check and the use.
 
 `claim_new_dir` is the rule for a verb's output directory (`tiny-model --out`, `export --out`):
-it must not exist yet, or be an empty real directory of this user; it is then created 0700.
+it must not exist yet (it is then created 0700), or be an empty real directory of this user, or
+the verb's own earlier output.
 `open_trusted_file` opens a file to read back (results a score is computed from): never through a
 symlink, never blocking on a FIFO, refused unless it is a regular file of this user or root that
 its group and others cannot write.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 
 _MAX_LINKS = 40  # as the kernel's MAXSYMLINKS
 
@@ -119,29 +121,36 @@ def make_private_dirs(path: str, what: str) -> None:
     check_trusted(path, what)
 
 
-def claim_new_dir(path: str, what: str) -> None:
-    """Create output directory `path` (0700) for a verb that fills it; refuse an existing one it
-    did not create: anything but an empty real directory of this user (an empty value, `/`,
-    `/etc`, a symlink, `/proc/self` are all refused). `what` names the flag (`--out`)."""
-    if not path.strip():
-        raise UntrustedPathError(f"{what}: an empty path names the current directory; give a new directory")
+def claim_new_dir(
+    path: str, what: str, earlier_output: Callable[[str], bool] | None = None, *, create: bool = True
+) -> None:
+    """Create output directory `path` (0700) for a verb that fills it, or take one it made before;
+    refuse an existing one it did not create: anything but an empty real directory of this user,
+    or one `earlier_output(path)` recognises as this verb's earlier output (the verb's own files
+    only). An empty value (or `.`), `/`, `/etc`, a symlink, `/proc/self` are all refused, one line
+    (`UntrustedPathError`) naming `what` (the flag, e.g. `--out`). `create=False`: check only (a
+    writer that creates the directory itself, 0700, and removes it when it fails)."""
+    if path.strip() in ("", "."):
+        raise UntrustedPathError(f"{what}: an empty value names the current directory; give a new directory")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        make_private_dirs(path, what)
+        (make_private_dirs if create else check_trusted)(path, what)
         return
     except (OSError, ValueError) as exc:
         raise UntrustedPathError(f"{what} {path!r}: cannot be used: {getattr(exc, 'strerror', None) or exc}") from None
     if stat.S_ISLNK(st.st_mode):
         raise UntrustedPathError(f"{what} {path!r} already exists as a symlink; give a new directory")
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise UntrustedPathError(f"{what} {path!r} already exists and is not this user's; give a new directory")
+        raise UntrustedPathError(f"{what} {path!r} already exists and is not this user's directory; "
+                                 "give a new directory")  # fmt: skip
     try:
         empty = not os.listdir(path)
     except OSError:
         empty = False
-    if not empty:
-        raise UntrustedPathError(f"{what} {path!r} already exists and is not empty; give a new directory")
+    if not empty and not (earlier_output is not None and earlier_output(path)):
+        raise UntrustedPathError(f"{what} {path!r} already exists and holds files this command did not write; "
+                                 "give a new directory")  # fmt: skip
     check_trusted(path, what)
 
 
