@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from pinned_eval.snapshot.errors import ExportError
+from pinned_eval.snapshot.errors import ExportError, make_export_dirs
 from pinned_eval.snapshot.layout import (
     ADAPTER_CONFIG,
     ADAPTER_INDEX,
@@ -48,7 +48,6 @@ from pinned_eval.snapshot.layout import (
     resolve,
     to_url,
 )
-from pinned_eval.trusted_paths import make_private_dirs
 
 _PREFIX = "base_model.model."
 
@@ -274,7 +273,7 @@ def write_adapter_snapshot(
     if fs.exists(marker):
         fs.rm(marker)  # a stale marker must never vouch for the files written below
     if is_local(fs):
-        make_private_dirs(root, "snapshot directory")  # 0700, below trusted directories only
+        make_export_dirs(root)  # 0700, below trusted directories only
     else:
         fs.makedirs(root, exist_ok=True)
     if fs.exists(join(fs, root, ADAPTER_INDEX)):  # this writer writes one file; an old index would misname it

@@ -42,7 +42,7 @@ import torch
 from fsspec import AbstractFileSystem
 
 from pinned_eval.snapshot import s3_upload
-from pinned_eval.snapshot.errors import ExportError
+from pinned_eval.snapshot.errors import ExportError, make_export_dirs
 from pinned_eval.snapshot.layout import (
     EXPORT_ID_KEY,
     INDEX,
@@ -59,7 +59,6 @@ from pinned_eval.snapshot.layout import (
     shard_name,
     to_url,
 )
-from pinned_eval.trusted_paths import make_private_dirs
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -291,7 +290,7 @@ def write_snapshot(
         try:
             _clear_stale(fs, root)
             if is_local(fs):
-                make_private_dirs(root, "snapshot directory")  # 0700, below trusted directories only
+                make_export_dirs(root)  # 0700, below trusted directories only
             _collect(tensors, specs, weight_map, w)
             total = sum(s.nbytes for s in plan)
             index = {"metadata": {"total_size": total, EXPORT_ID_KEY: export_id},

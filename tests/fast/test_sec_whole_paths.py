@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -26,7 +27,7 @@ from blocks import EvalSuiteBlock, SinksBlock
 from pinned_eval.results.store import GENERATIONS, ResultsKeyError, ResultsStore
 from pinned_eval.results.tables import generation_row, generations_table
 from pinned_eval.sinks import JsonlSink
-from pinned_eval.snapshot.staging import Staging, UnsafeStagingRootError
+from pinned_eval.snapshot.staging import Staging, StagingPathError, UnsafeStagingRootError
 from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
 from pinned_eval.trusted_paths import UntrustedPathError, check_trusted, make_private_dirs
 from tests.neighbour import Neighbour, run_as
@@ -79,6 +80,29 @@ def test_a_neighbours_symlink_above_the_staging_root_is_refused_and_nothing_is_d
         f"{neighbour.uid}, not by this user (uid {os.geteuid()}) or root"
     )
     assert _files(victim) == before
+
+
+def test_a_run_dir_a_neighbour_made_in_a_shared_staging_root_is_never_written(
+    neighbour: Neighbour, shared_dir: Path, tmp_path: Path
+) -> None:
+    """The staging root is a sticky shared directory: the neighbour squats the run's directory, to
+    swap the weights a point will pin. Neither `put` nor an export writes below it."""
+    import torch
+
+    from pinned_eval.snapshot.errors import ExportPathError
+    from pinned_eval.snapshot.writer import write_snapshot
+
+    src = tmp_path / "src"
+    write_snapshot([("w", torch.zeros(4))], str(src))
+    assert run_as(neighbour, MAKEDIRS, str(shared_dir / "exp1")).returncode == 0
+    staging = Staging(str(shared_dir), cache_dir=tmp_path / "cache")
+    dest = staging.path_for("exp1", 5)
+    said = f"staging path {dest!r} refused ({str(shared_dir / 'exp1')!r}): it is owned by uid {neighbour.uid}"
+    with pytest.raises(StagingPathError, match=f"^{re.escape(said)}"):
+        staging.put(src, "exp1", 5)
+    with pytest.raises(ExportPathError, match=re.escape(f"({str(shared_dir / 'exp1')!r}): it is owned by uid")):
+        write_snapshot([("w", torch.zeros(4))], dest)
+    assert list((shared_dir / "exp1").iterdir()) == []
 
 
 def _rescore(store_root: Path, tmp_path: Path) -> dict[str, dict[str, float]]:
