@@ -93,3 +93,14 @@ def test_block_names_are_matched_to_the_end(name: str) -> None:
     with pytest.raises(SpecError) as info:
         validate_name(name)
     assert info.value.key == "name" and info.value.message.startswith(f"{name!r} is not a block name")
+
+
+def test_more_than_100_aliases_and_a_nul_in_the_path_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "laughs.yaml"
+    path.write_text("a: &a [1]\nb: [" + ", ".join(["*a"] * 101) + "]\n")
+    with pytest.raises(ValueError) as info:
+        load_project_config(path)
+    assert str(info.value) == f"{path}: more than 100 aliases (line 2)"
+    with pytest.raises(ValueError) as info:
+        load_project_config(Path("pinned\0eval.yaml"))
+    assert str(info.value) == "pinned\0eval.yaml: the path contains a NUL byte"

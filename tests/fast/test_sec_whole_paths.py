@@ -225,3 +225,15 @@ def test_the_owners_own_point_still_rescores(tmp_path: Path) -> None:
     ResultsStore(str(root)).write("exp1", 5, GENERATIONS, generations_table([generation_row(_gen("0"))], "k"))
     assert _rescore(root, tmp_path)["arith_add"]["eval/arith_add"] == 1.0
     assert [r.metrics["eval/rescored"] for r in JsonlSink(str(tmp_path / "m.jsonl")).read("exp1")] == [1.0]
+
+
+def test_the_users_own_symlink_is_followed_and_its_target_checked(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    check_trusted(str(tmp_path / "link" / "results"), "results_root")  # the user's link, a trusted target
+    real.chmod(0o777)
+    with pytest.raises(UntrustedPathError) as info:
+        check_trusted(str(tmp_path / "link" / "results"), "results_root")
+    assert str(info.value) == (f"results_root {str(tmp_path / 'link' / 'results')!r} refused ({str(real)!r}): "
+                               "it is writable by others without the sticky bit (mode 777)")
