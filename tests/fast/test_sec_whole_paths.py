@@ -52,9 +52,9 @@ def _files(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
 
-def _world_readable_copy(tmp: Path, name: str, data: bytes) -> Path:
-    """A file the neighbour can read (the pytest tmp dir is 0700)."""
-    src = Path(f"/tmp/{tmp.name}-{name}")
+def _world_readable_copy(shared: Path, name: str, data: bytes) -> Path:
+    """A file the neighbour can read (the pytest tmp dir is 0700), removed with `shared`."""
+    src = shared / name
     src.write_bytes(data)
     src.chmod(0o644)
     return src
@@ -110,12 +110,12 @@ def _rescore(store_root: Path, tmp_path: Path) -> dict[str, dict[str, float]]:
     return rescore_point("exp1", 5, EvalSuiteBlock(suite=SUITE), sinks)
 
 
-def _planted(tmp_path: Path) -> Path:
+def _planted(tmp_path: Path, shared: Path) -> Path:
     """A generations file stamped for exp1 step 5 whose answer is right (the victim's was wrong)."""
     forged = ResultsStore(str(tmp_path / "forge"))
     forged.write("exp1", 5, GENERATIONS, generations_table([generation_row(_gen("0"))], "k"))
     data = (tmp_path / "forge" / "exp1" / "step_00000005" / GENERATIONS).read_bytes()
-    return _world_readable_copy(tmp_path, "planted.parquet", data)
+    return _world_readable_copy(shared, "planted.parquet", data)
 
 
 def test_a_results_root_a_neighbour_created_first_is_never_written_or_rescored(
@@ -132,7 +132,7 @@ def test_a_results_root_a_neighbour_created_first_is_never_written_or_rescored(
         f"results_root {str(root)!r} refused: it is owned by uid {neighbour.uid}, "
         f"not by this user (uid {os.geteuid()}) or root"
     )
-    planted = _planted(tmp_path)
+    planted = _planted(tmp_path, shared_dir)
     assert run_as(neighbour, PLANT, str(planted), str(step_dir / GENERATIONS)).returncode == 0
     with pytest.raises(typer.Exit) as exit_info:
         _rescore(root, tmp_path)
@@ -154,7 +154,7 @@ def test_a_run_dir_a_neighbour_created_under_a_shared_results_root_is_never_used
     store = ResultsStore(str(shared_dir))
     with pytest.raises(UntrustedPathError, match=f"^results_root {str(step_dir)!r} refused \\({str(run_dir)!r}\\)"):
         store.write("exp1", 5, GENERATIONS, generations_table([generation_row(_gen("wrong"))], "k"))
-    assert run_as(neighbour, PLANT, str(_planted(tmp_path)), str(step_dir / GENERATIONS)).returncode == 0
+    assert run_as(neighbour, PLANT, str(_planted(tmp_path, shared_dir)), str(step_dir / GENERATIONS)).returncode == 0
     with pytest.raises(typer.Exit):
         _rescore(shared_dir, tmp_path)
     assert "refused" in capsys.readouterr().err and not (tmp_path / "m.jsonl").exists()
