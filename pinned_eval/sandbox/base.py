@@ -41,14 +41,14 @@ class SandboxLimits(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    wall_s: float = Field(30.0, gt=0, le=3600, description="Kill deadline from start, seconds.")
-    cpu_s: int = Field(30, ge=1, le=3600, description="RLIMIT_CPU: SIGXCPU at this many CPU seconds.")
-    memory_mb: int = Field(1024, ge=64, description="RLIMIT_AS (address space) per process, MiB.")
-    processes: int = Field(64, ge=8, le=4096, description="RLIMIT_NPROC of the sandbox uid (threads count).")
-    output_bytes: int = Field(1 << 20, ge=256, description="stdout + stderr kept; one byte more kills the run.")
-    file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE: the largest file a process may write, MiB.")
-    disk_mb: int = Field(64, ge=1, description="Size of the work directory (a tmpfs under bwrap), MiB.")
-    open_files: int = Field(256, ge=16, le=65536, description="RLIMIT_NOFILE.")
+    wall_s: float = Field(default=30.0, gt=0, le=3600, description="Kill deadline from start, seconds.")
+    cpu_s: int = Field(default=30, ge=1, le=3600, description="RLIMIT_CPU: SIGXCPU at this many CPU seconds.")
+    memory_mb: int = Field(default=1024, ge=64, description="RLIMIT_AS (address space) per process, MiB.")
+    processes: int = Field(default=64, ge=8, le=4096, description="RLIMIT_NPROC of the sandbox uid (threads count).")
+    output_bytes: int = Field(default=1 << 20, ge=256, description="stdout + stderr kept; one byte more kills the run.")
+    file_mb: int = Field(default=16, ge=1, description="RLIMIT_FSIZE: the largest file a process may write, MiB.")
+    disk_mb: int = Field(default=64, ge=1, description="Size of the work directory (a tmpfs under bwrap), MiB.")
+    open_files: int = Field(default=256, ge=16, le=65536, description="RLIMIT_NOFILE.")
 
 
 class Outcome(StrEnum):
@@ -75,10 +75,7 @@ class RunResult(BaseModel):
     stderr: str
     truncated: bool = False
     wall_s: float
-    cpu_s: float | None = Field(
-        description="CPU seconds of the run's processes; None under bwrap (its pid-namespace init does not pass "
-        "its children's CPU time on)."
-    )
+    cpu_s: float = Field(description="CPU seconds of the program and the children it waited for.")
     pid_namespace: int | None = Field(default=None, description="The run's pid namespace inode (bwrap).")
     warning: str | None = Field(default=None, description="Set on every unsafe result, for the point to report.")
 
@@ -151,11 +148,11 @@ def signal_of(exit_code: int | None, *, shell_style: bool) -> int | None:
     return None
 
 
-def classify(exit_code: int, stderr: str, cpu_s: float | None, limits: SandboxLimits, *, shell_style: bool) -> Outcome:
+def classify(exit_code: int, stderr: str, cpu_s: float, limits: SandboxLimits, *, shell_style: bool) -> Outcome:
     if exit_code == 0:
         return Outcome.OK
     sig = signal_of(exit_code, shell_style=shell_style)
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s is not None and cpu_s >= limits.cpu_s):
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= limits.cpu_s):
         return Outcome.CPU
     last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
     if last.startswith("MemoryError"):
@@ -164,13 +161,15 @@ def classify(exit_code: int, stderr: str, cpu_s: float | None, limits: SandboxLi
 
 
 def namespace_members(pid_ns: int) -> list[int]:
-    """Host PIDs of the live processes in pid namespace `pid_ns` (zombies have none)."""
+    """Host PIDs of the live (not zombie) processes in pid namespace `pid_ns`."""
     members = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 if os.stat(f"/proc/{entry}/ns/pid").st_ino == pid_ns:
-                    members.append(int(entry))
+                    with open(f"/proc/{entry}/stat") as f:
+                        if f.read().rpartition(")")[2].split()[0] != "Z":
+                            members.append(int(entry))
     return members
 
 

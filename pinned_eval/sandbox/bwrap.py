@@ -18,7 +18,10 @@ What a run sees and may do (each point has a test in tests/fast/test_sec_sandbox
   bwrap), the wall deadline and the output cap (`base.collect`);
 - **no survivors**: `--die-with-parent` (bwrap and the sandbox die with the worker),
   `--new-session` (no TIOCSTI into a terminal); a kill takes the whole pid namespace, and the run
-  returns only once nothing of it is left.
+  returns only once nothing of it is left. The program is its namespace's pid 1 (`--as-pid-1`):
+  bwrap then reaps it itself (its own init would be left a zombie for the host's init to reap,
+  counting against RLIMIT_NPROC until then) and its CPU time reaches `RunResult.cpu_s`. As pid 1
+  it ignores SIGXCPU, so the CPU limit ends it with SIGKILL one CPU second later (`cpu`).
 
 Known limits: concurrent runs share the `pe-sandbox` uid, so they share RLIMIT_NPROC (a fork bomb
 in one can make another's start fail, `start_failed`); no seccomp filter (the kernel's syscall
@@ -33,6 +36,7 @@ import os
 import pwd
 import select
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -90,7 +94,7 @@ def install_hint() -> str:
 
 
 class Running:
-    """A started bwrap run: `child_pid` (host PID of the namespace's init) and `pid_namespace`; `wait()`."""
+    """A started bwrap run: `child_pid` (host PID of the program, its namespace's pid 1), `pid_namespace`; `wait()`."""
 
     def __init__(self, popen: subprocess.Popen[bytes], status_r: int, limits: SandboxLimits, started: float):
         self.popen, self._status_r, self.limits, self.started = popen, status_r, limits, started
@@ -99,6 +103,11 @@ class Running:
         self.child_pid: int | None = info.get("child-pid")
         self.pid_namespace: int | None = info.get("pid-namespace")
         self._result: RunResult | None = None
+
+    def kill(self) -> None:
+        """SIGKILL the run now (its namespace follows); `wait()` then returns its result."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
 
     def wait(self) -> RunResult:
         if self._result is not None:
@@ -114,11 +123,11 @@ class Running:
         elif "exit-code" not in status:  # bwrap failed before or while starting the program
             outcome = Outcome.START_FAILED
         else:
-            outcome = classify(got.exit_code, stderr, None, self.limits, shell_style=True)
+            outcome = classify(got.exit_code, stderr, got.cpu_s, self.limits, shell_style=True)
         self._result = RunResult(
             backend="bwrap", unsafe=False, outcome=outcome,
             exit_code=status.get("exit-code", got.exit_code), stdout=decode(got.stdout), stderr=stderr,
-            truncated=got.truncated, wall_s=got.wall_s, cpu_s=None, pid_namespace=self.pid_namespace,
+            truncated=got.truncated, wall_s=got.wall_s, cpu_s=got.cpu_s, pid_namespace=self.pid_namespace,
         )
         return self._result
 
@@ -211,7 +220,7 @@ class BwrapSandbox:
 
     def bwrap_args(self, limits: SandboxLimits, file_args: list[str], status_fd: int) -> list[str]:
         args = [self._bwrap or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-                "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--uid", INSIDE_ID, "--gid", INSIDE_ID,
+                "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--as-pid-1", "--uid", INSIDE_ID, "--gid", INSIDE_ID,
                 "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
         for key, value in _ENV.items():
             args += ["--setenv", key, value]

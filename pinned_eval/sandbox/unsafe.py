@@ -60,7 +60,9 @@ class UnsafeSubprocessSandbox:
         self.options = options or UnsafeOptions()
         self._prlimit = shutil.which(self.options.prlimit)
         if self._prlimit is None:
-            raise SandboxUnavailable(f"sandbox unsafe_subprocess: {self.options.prlimit!r} (util-linux) is not installed")
+            raise SandboxUnavailable(
+                f"sandbox unsafe_subprocess: {self.options.prlimit!r} (util-linux) is not installed"
+            )
         self._uid: int | None = None
         self._gid: int | None = None
         if os.geteuid() == 0:  # never run model code as root: RLIMIT_NPROC would not hold either
