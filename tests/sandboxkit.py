@@ -1,13 +1,15 @@
 """The bwrap sandbox for tests: its system requirements, and the check that a run left nothing.
 
 `scripts/ci-services.sh` installs bubblewrap and creates the sandbox user `pe-sandbox` (CI runs
-as root). The `bwrap_sandbox` fixture fails as root when bwrap is missing (the setup should have
-installed it), creates `pe-sandbox` when missing (as `tests/neighbour.py` creates its user), and
-skips, naming why, only where bwrap is missing and this user cannot install it.
+as root). `require_bwrap()`, which each test module's `sandbox` fixture calls, fails as root when
+bwrap is missing (the setup should have installed it), creates `pe-sandbox` when missing (as
+`tests/neighbour.py` creates its user), and skips, naming why, only where bwrap is missing and
+this user cannot install it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import shutil
@@ -30,8 +32,8 @@ def ensure_sandbox_user() -> int:
         return pwd.getpwnam(SANDBOX_USER).pw_uid
 
 
-@pytest.fixture(scope="session")
-def bwrap_sandbox() -> BwrapSandbox:
+@functools.cache
+def require_bwrap() -> BwrapSandbox:
     if shutil.which("bwrap") is None:
         if os.geteuid() == 0:
             pytest.fail("bubblewrap (bwrap) is not installed: run scripts/ci-services.sh (CI does)")

@@ -220,8 +220,9 @@ class BwrapSandbox:
 
     def bwrap_args(self, limits: SandboxLimits, file_args: list[str], status_fd: int) -> list[str]:
         args = [self._bwrap or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-                "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--as-pid-1", "--uid", INSIDE_ID, "--gid", INSIDE_ID,
-                "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
+                "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--as-pid-1",
+                "--uid", INSIDE_ID, "--gid", INSIDE_ID, "--hostname", "sandbox", "--die-with-parent", "--new-session",
+                "--clearenv"]
         for key, value in _ENV.items():
             args += ["--setenv", key, value]
         args += ["--ro-bind", "/usr", "/usr"]

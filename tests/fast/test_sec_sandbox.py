@@ -29,9 +29,14 @@ from pinned_eval.sandbox import (
 from pinned_eval.sandbox.base import namespace_members
 from pinned_eval.sandbox.bwrap import WORK
 from tests.neighbour import Neighbour, run_as
-from tests.sandboxkit import assert_nothing_left, bwrap_sandbox, sandbox_uid_processes  # noqa: F401
+from tests.sandboxkit import assert_nothing_left, require_bwrap, sandbox_uid_processes
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def sandbox() -> BwrapSandbox:
+    return require_bwrap()
 
 ATTEMPT = """
 import errno, os, sys
@@ -44,7 +49,7 @@ def attempt(label, action):
 """
 
 
-def test_code_cannot_connect_to_a_port_the_worker_listens_on(bwrap_sandbox: BwrapSandbox) -> None:
+def test_code_cannot_connect_to_a_port_the_worker_listens_on(sandbox: BwrapSandbox) -> None:
     """A stand-in for the Prefect API on 127.0.0.1: the code's connect is refused and nothing arrives."""
     with socket.socket() as api:
         api.bind(("127.0.0.1", 0))
@@ -57,7 +62,7 @@ def test_code_cannot_connect_to_a_port_the_worker_listens_on(bwrap_sandbox: Bwra
             "attempt('outside', lambda: socket.create_connection(('192.0.2.1', 80), timeout=5).close())\n"
             "print([name for _, name in socket.if_nameindex()])\n"
         )
-        result = bwrap_sandbox.run(code)
+        result = sandbox.run(code)
         assert result.outcome is Outcome.OK, result.stderr
         assert result.stdout.splitlines() == ["tcp ECONNREFUSED", "tcp-any ECONNREFUSED", "outside ENETUNREACH",
                                               "['lo']"]
@@ -67,7 +72,7 @@ def test_code_cannot_connect_to_a_port_the_worker_listens_on(bwrap_sandbox: Bwra
     assert_nothing_left(result)
 
 
-def test_code_cannot_read_the_workers_home_credential_or_checkout(bwrap_sandbox: BwrapSandbox) -> None:
+def test_code_cannot_read_the_workers_home_credential_or_checkout(sandbox: BwrapSandbox) -> None:
     home_dir = Path.home() / ".config" / f"pe-sandbox-test-{uuid.uuid4().hex}"
     home_dir.mkdir(parents=True)
     secret = home_dir / "api-auth"
@@ -82,7 +87,7 @@ def test_code_cannot_read_the_workers_home_credential_or_checkout(bwrap_sandbox:
             "print(sorted(os.listdir('/')), os.listdir('/etc'))\n"
             "print(os.getuid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
         )
-        result = bwrap_sandbox.run(code)
+        result = sandbox.run(code)
     finally:
         secret.unlink()
         home_dir.rmdir()
@@ -98,13 +103,13 @@ def test_code_cannot_read_the_workers_home_credential_or_checkout(bwrap_sandbox:
     assert_nothing_left(result)
 
 
-def test_code_cannot_write_outside_the_work_dir(bwrap_sandbox: BwrapSandbox, shared_dir: Path) -> None:
+def test_code_cannot_write_outside_the_work_dir(sandbox: BwrapSandbox, shared_dir: Path) -> None:
     """Read-only system dirs, no /tmp, no host paths; even a 1777 host directory is not there."""
     targets = ["/", "/usr", "/etc", "/dev", "/dev/shm", "/proc", "/tmp", str(shared_dir), WORK]
     code = ATTEMPT + "".join(
         f"attempt({t!r}, lambda: open(os.path.join({t!r}, 'pwned'), 'w').write('x'))\n" for t in targets
     ) + "attempt('mkdir', lambda: os.mkdir('/pwned'))\n"
-    result = bwrap_sandbox.run(code)
+    result = sandbox.run(code)
     assert result.outcome is Outcome.OK, result.stderr
     assert result.stdout.splitlines() == [
         "/ EROFS", "/usr EROFS", "/etc EROFS", "/dev EROFS", "/dev/shm EROFS", "/proc ENOENT", "/tmp ENOENT",
@@ -114,7 +119,7 @@ def test_code_cannot_write_outside_the_work_dir(bwrap_sandbox: BwrapSandbox, sha
     assert_nothing_left(result)
 
 
-def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(bwrap_sandbox: BwrapSandbox) -> None:
+def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(sandbox: BwrapSandbox) -> None:
     code = (
         "import os, time\n"
         "children = 0\n"
@@ -127,7 +132,7 @@ def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(bwrap_sandbox
         "except OSError as exc:\n"
         "    print(children, exc.errno)\n"
     )
-    result = bwrap_sandbox.run(code, limits=SandboxLimits(processes=16))
+    result = sandbox.run(code, limits=SandboxLimits(processes=16))
     assert result.outcome is Outcome.OK, result.stderr
     if os.geteuid() == 0:
         # the sandbox uid holds bwrap and the program: 14 forks, then EAGAIN
@@ -137,41 +142,43 @@ def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(bwrap_sandbox
     assert_nothing_left(result)  # the 14 sleepers died with the namespace
 
 
-def test_a_memory_blow_up_gets_memory_error(bwrap_sandbox: BwrapSandbox) -> None:
+def test_a_memory_blow_up_gets_memory_error(sandbox: BwrapSandbox) -> None:
     code = "a = bytearray(64 << 20)\nprint('64 MiB ok', flush=True)\nb = bytearray(2 << 30)\nprint('2 GiB ok')\n"
-    result = bwrap_sandbox.run(code, limits=SandboxLimits(memory_mb=256))
+    result = sandbox.run(code, limits=SandboxLimits(memory_mb=256))
     assert result.outcome is Outcome.MEMORY
     assert result.stdout == "64 MiB ok\n"
     assert result.stderr.splitlines()[-1] == "MemoryError"
     assert_nothing_left(result)
 
 
-def test_a_busy_loop_is_stopped_by_the_cpu_limit(bwrap_sandbox: BwrapSandbox) -> None:
+def test_a_busy_loop_is_stopped_by_the_cpu_limit(sandbox: BwrapSandbox) -> None:
     """The program is its namespace's pid 1, which ignores SIGXCPU: the hard limit's SIGKILL ends it."""
-    result = bwrap_sandbox.run("while True:\n    pass\n", limits=SandboxLimits(cpu_s=1, wall_s=120))
+    result = sandbox.run("while True:\n    pass\n", limits=SandboxLimits(cpu_s=1, wall_s=120))
     assert (result.outcome, result.exit_code) == (Outcome.CPU, 128 + signal.SIGKILL)
-    assert 1.0 <= result.cpu_s
+    assert result.cpu_s >= 1.0
     assert_nothing_left(result)
 
 
-def test_a_busy_child_gets_sigxcpu(bwrap_sandbox: BwrapSandbox) -> None:
-    code = "import os, sys\npid = os.fork()\nif pid == 0:\n    while True:\n        pass\nsys.exit(os.waitpid(pid, 0)[1])\n"
-    result = bwrap_sandbox.run(code, limits=SandboxLimits(cpu_s=1, wall_s=120))
+def test_a_busy_child_gets_sigxcpu(sandbox: BwrapSandbox) -> None:
+    code = ("import os, sys\npid = os.fork()\nif pid == 0:\n    while True:\n        pass\n"
+            "sys.exit(os.waitpid(pid, 0)[1])\n")
+    result = sandbox.run(code, limits=SandboxLimits(cpu_s=1, wall_s=120))
     assert (result.outcome, result.stderr) == (Outcome.ERROR, "")
     assert result.exit_code == signal.SIGXCPU  # the child's wait status, passed on by the program
     assert_nothing_left(result)
 
 
-def test_a_sleeper_and_its_children_are_killed_at_the_wall_deadline(bwrap_sandbox: BwrapSandbox) -> None:
-    code = "import os, time\nos.fork()\nos.setsid() if os.fork() == 0 else None\nprint('up', flush=True)\ntime.sleep(600)\n"
-    result = bwrap_sandbox.run(code, limits=SandboxLimits(wall_s=1))
+def test_a_sleeper_and_its_children_are_killed_at_the_wall_deadline(sandbox: BwrapSandbox) -> None:
+    code = ("import os, time\nos.fork()\nos.setsid() if os.fork() == 0 else None\nprint('up', flush=True)\n"
+            "time.sleep(600)\n")
+    result = sandbox.run(code, limits=SandboxLimits(wall_s=1))
     assert (result.outcome, result.exit_code) == (Outcome.TIMEOUT, -signal.SIGKILL)
     assert result.stdout.count("up\n") == 4
     assert_nothing_left(result)
 
 
-def test_an_output_flood_is_cut_at_the_cap_and_killed(bwrap_sandbox: BwrapSandbox) -> None:
-    result = bwrap_sandbox.run("while True:\n    print('x' * 999)\n", limits=SandboxLimits(output_bytes=10_000))
+def test_an_output_flood_is_cut_at_the_cap_and_killed(sandbox: BwrapSandbox) -> None:
+    result = sandbox.run("while True:\n    print('x' * 999)\n", limits=SandboxLimits(output_bytes=10_000))
     assert (result.outcome, result.truncated) == (Outcome.OUTPUT_LIMIT, True)
     assert result.stdout == ("x" * 999 + "\n") * 10
     assert_nothing_left(result)
@@ -196,7 +203,7 @@ attempt("ptrace", ptrace)
 
 
 def test_the_neighbour_cannot_read_write_signal_or_ptrace_a_running_sandbox(
-    bwrap_sandbox: BwrapSandbox, neighbour: Neighbour
+    sandbox: BwrapSandbox, neighbour: Neighbour
 ) -> None:
     code = (
         "import os, signal\n"
@@ -206,7 +213,7 @@ def test_the_neighbour_cannot_read_write_signal_or_ptrace_a_running_sandbox(
         "signal.sigwait({signal.SIGUSR1})\n"
         "print(sorted(os.listdir('.')), open('secret').read())\n"
     )
-    running = bwrap_sandbox.start(code, limits=SandboxLimits(wall_s=60))
+    running = sandbox.start(code, limits=SandboxLimits(wall_s=60))
     try:
         program = running.child_pid
         assert program is not None
@@ -227,11 +234,12 @@ def test_the_neighbour_cannot_read_write_signal_or_ptrace_a_running_sandbox(
     assert_nothing_left(result)
 
 
-def test_a_sigkilled_worker_leaves_no_sandbox_running(bwrap_sandbox: BwrapSandbox) -> None:
+def test_a_sigkilled_worker_leaves_no_sandbox_running(sandbox: BwrapSandbox) -> None:
     worker = subprocess.Popen(
         [sys.executable, "-c",
          "from pinned_eval.sandbox import create_sandbox, SandboxLimits\n"
-         "run = create_sandbox().start('import os, time\\nos.fork()\\ntime.sleep(600)', limits=SandboxLimits(wall_s=600))\n"
+         "run = create_sandbox().start('import os, time\\nos.fork()\\ntime.sleep(600)',\n"
+         "                             limits=SandboxLimits(wall_s=600))\n"
          "print(run.pid_namespace, flush=True)\n"
          "run.wait()\n"],
         stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -245,8 +253,8 @@ def test_a_sigkilled_worker_leaves_no_sandbox_running(bwrap_sandbox: BwrapSandbo
     poll_until(lambda: sandbox_uid_processes() == [], timeout_s=30, what="no process of the sandbox user")
 
 
-def test_files_are_copied_into_the_work_dir_and_paths_outside_it_are_refused(bwrap_sandbox: BwrapSandbox) -> None:
-    result = bwrap_sandbox.run(
+def test_files_are_copied_into_the_work_dir_and_paths_outside_it_are_refused(sandbox: BwrapSandbox) -> None:
+    result = sandbox.run(
         "import os, sys\nprint(open('data/in.txt').read(), open('b.bin', 'rb').read(), sys.stdin.read())\n"
         "print(oct(os.stat('data/in.txt').st_mode & 0o777))",
         files={"data/in.txt": "hello", "b.bin": b"\x00\x01"}, stdin=b"from stdin",
@@ -254,17 +262,17 @@ def test_files_are_copied_into_the_work_dir_and_paths_outside_it_are_refused(bwr
     assert result.stdout == "hello b'\\x00\\x01' from stdin\n0o600\n"
     for bad in ("../x", "/etc/x", "a/../../x", "", "main.py"):
         with pytest.raises(SandboxError, match="sandbox files"):
-            bwrap_sandbox.run("print(1)", files={bad: "x"})
+            sandbox.run("print(1)", files={bad: "x"})
     assert_nothing_left(result)
 
 
-def test_a_missing_program_is_start_failed_with_bwraps_reason(bwrap_sandbox: BwrapSandbox) -> None:
-    result = bwrap_sandbox.run(argv=["/no/such/program"])
+def test_a_missing_program_is_start_failed_with_bwraps_reason(sandbox: BwrapSandbox) -> None:
+    result = sandbox.run(argv=["/no/such/program"])
     assert (result.outcome, result.exit_code) == (Outcome.START_FAILED, 1)
     assert result.stderr == "bwrap: execvp /no/such/program: No such file or directory\n"
 
 
-def test_unsafe_subprocess_needs_the_opt_in_and_says_so_on_every_result(bwrap_sandbox: BwrapSandbox) -> None:
+def test_unsafe_subprocess_needs_the_opt_in_and_says_so_on_every_result(sandbox: BwrapSandbox) -> None:
     with pytest.raises(SandboxError, match="must be chosen explicitly"):
         create_sandbox("unsafe_subprocess")
     unsafe = create_sandbox("unsafe_subprocess", allow_unsafe=True)
@@ -272,7 +280,7 @@ def test_unsafe_subprocess_needs_the_opt_in_and_says_so_on_every_result(bwrap_sa
     assert [(r.outcome, r.stdout) for r in results] == [(Outcome.OK, "42\n"), (Outcome.TIMEOUT, "")]
     assert all(r.unsafe and r.backend == "unsafe_subprocess" and "without a sandbox" in (r.warning or "")
                for r in results)
-    safe = bwrap_sandbox.run("print(1)")
+    safe = sandbox.run("print(1)")
     assert (safe.unsafe, safe.warning) == (False, None)
 
 
