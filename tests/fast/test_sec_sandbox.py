@@ -294,3 +294,59 @@ def test_a_missing_bwrap_or_sandbox_user_is_refused_naming_the_fix() -> None:
     if os.geteuid() == 0 and os.path.exists("/usr/bin/bwrap"):
         with pytest.raises(SandboxUnavailable, match="useradd --system"):
             create_sandbox("bwrap", options={"user": "pe-no-such-user"})
+
+
+def test_code_cannot_create_a_user_namespace(sandbox: BwrapSandbox) -> None:
+    """`--disable-userns`: no nested namespace in which the program would be root again."""
+    code = ATTEMPT + (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def unshare():\n"
+        "    if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER\n"
+        "        raise OSError(ctypes.get_errno(), 'unshare')\n"
+        "attempt('userns', unshare)\n"
+    )
+    result = sandbox.run(code)
+    assert result.stdout == "userns ENOSPC\n", result.stderr
+    assert_nothing_left(result)
+
+
+def test_ro_binds_are_readable_and_stay_read_only(shared_dir: Path) -> None:
+    lib = shared_dir / "venv-lib"
+    lib.mkdir(mode=0o755)
+    (lib / "helper.py").write_text("ANSWER = 42\n")
+    (lib / "helper.py").chmod(0o644)
+    sandbox = create_sandbox("bwrap", options={"ro_binds": [str(lib)]})
+    code = ATTEMPT + (
+        f"sys.path.insert(0, {str(lib)!r})\nimport helper\nprint(helper.ANSWER)\n"
+        f"attempt('write', lambda: open({str(lib / 'evil.py')!r}, 'w').write('x'))\n"
+    )
+    result = sandbox.run(code)
+    assert result.stdout == "42\nwrite EROFS\n", result.stderr
+    assert sorted(p.name for p in lib.iterdir()) == ["helper.py"]
+
+
+def test_the_documented_example_and_defaults(sandbox: BwrapSandbox) -> None:
+    """docs/agentic.md: the example's result, and the limits' defaults."""
+    result = create_sandbox().run("print(6 * 7)", files={"data.csv": "a,b\n1,2\n"},
+                                  limits=SandboxLimits(wall_s=10, memory_mb=512))
+    assert (result.outcome, result.exit_code, result.stdout) == (Outcome.OK, 0, "42\n")
+    assert SandboxLimits().model_dump() == {
+        "wall_s": 30.0, "cpu_s": 30, "memory_mb": 1024, "processes": 64, "output_bytes": 1 << 20, "file_mb": 16,
+        "disk_mb": 64, "open_files": 256,
+    }
+
+
+def test_file_size_and_work_dir_size_are_capped(sandbox: BwrapSandbox) -> None:
+    code = ATTEMPT + (
+        "def fill(name, n):\n"
+        "    with open(name, 'wb') as f:\n"
+        "        f.write(b'x' * n)\n"
+        "attempt('big-file', lambda: fill('big', 2 << 20))\n"
+        "os.remove('big')\n"
+        "for i in range(3):\n"
+        "    attempt(f'file-{i}', lambda: fill(f'f{i}', 900 << 10))\n"
+    )
+    result = sandbox.run(code, limits=SandboxLimits(file_mb=1, disk_mb=2))
+    assert result.stdout == "big-file EFBIG\nfile-0 ok\nfile-1 ok\nfile-2 ENOSPC\n", result.stderr
+    assert_nothing_left(result)
