@@ -24,7 +24,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from pinned_eval.sandbox import Outcome, create_sandbox
+from pinned_eval.sandbox import Outcome, SandboxUnavailable, create_sandbox
 
 PYTHON = "/usr/bin/python3"
 
@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=60, help="runs per variant (default 60)")
     args = parser.parse_args(argv or [])
     load = os.getloadavg()
-    times = measure(args.runs)
+    try:
+        times = measure(args.runs)
+    except SandboxUnavailable as exc:  # `python -m bench` on a machine without bubblewrap
+        print(f"skipped: {exc}")
+        return
     print(f"{args.runs} runs per variant, {os.cpu_count()} CPUs, load average {load[0]:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end")
     print("\n".join(table(times)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource  # noqa: F401  (os.wait4 imports it lazily; import it while the files are readable)
 import selectors
 import signal
 import subprocess

@@ -21,6 +21,7 @@ from pinned_eval.polling import poll_until
 from pinned_eval.sandbox import (
     BwrapSandbox,
     Outcome,
+    RunResult,
     SandboxError,
     SandboxLimits,
     SandboxUnavailable,
@@ -350,3 +351,32 @@ def test_file_size_and_work_dir_size_are_capped(sandbox: BwrapSandbox) -> None:
     result = sandbox.run(code, limits=SandboxLimits(file_mb=1, disk_mb=2))
     assert result.stdout == "big-file EFBIG\nfile-0 ok\nfile-1 ok\nfile-2 ENOSPC\n", result.stderr
     assert_nothing_left(result)
+
+
+AS_NORMAL_USER = """
+import os, sys
+from pinned_eval.sandbox import BwrapSandbox, SandboxLimits  # imported as root: the venv is under /root
+uid, gid = int(sys.argv[1]), int(sys.argv[2])
+os.setgroups([])
+os.setresgid(gid, gid, gid)
+os.setresuid(uid, uid, uid)
+code = (
+    "import os, time\\nprint(os.getuid())\\nchildren = 0\\ntry:\\n    while True:\\n        if os.fork() == 0:\\n"
+    "            time.sleep(600)\\n            os._exit(0)\\n        children += 1\\nexcept OSError as exc:\\n"
+    "    print(children, exc.errno)\\n"
+)
+print(BwrapSandbox().run(code, limits=SandboxLimits(processes=8)).model_dump_json())
+"""
+
+
+def test_a_worker_that_is_not_root_runs_sandboxes_in_a_user_namespace(neighbour: Neighbour) -> None:
+    """No uid switch: bwrap's user namespace maps the worker's uid to 65534, and RLIMIT_NPROC is the
+    uid's tasks at start (this worker process) plus `processes`: 8 - bwrap - the program = 6 forks."""
+    require_bwrap()
+    done = subprocess.run([sys.executable, "-c", AS_NORMAL_USER, str(neighbour.uid), str(neighbour.gid)],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    result = RunResult.model_validate_json(done.stdout)
+    assert (result.outcome, result.stdout) == (Outcome.OK, "65534\n6 11\n")
+    assert namespace_members(result.pid_namespace or 0) == []
