@@ -61,6 +61,7 @@ from pinned_eval.sandbox.base import (
 )
 
 WORK = "/work"
+MIN_VERSION = (0, 8, 0)  # --disable-userns (Debian 12 ships 0.8.0)
 SANDBOX_USER = "pe-sandbox"
 INSIDE_ID = "65534"  # nobody, inside the user namespace
 _SYSTEM_LINKS = ("/bin", "/lib", "/lib64", "/sbin")
@@ -146,6 +147,12 @@ class BwrapSandbox:
             raise SandboxUnavailable(f"sandbox bwrap: {self.options.bwrap!r} is not installed: {install_hint()}")
         if self._prlimit is None:
             raise SandboxUnavailable(f"sandbox bwrap: {self.options.prlimit!r} (util-linux) is not installed")
+        version = bwrap_version(self._bwrap)
+        if version < MIN_VERSION:
+            raise SandboxUnavailable(
+                f"sandbox bwrap: {self._bwrap} is version {'.'.join(map(str, version))}; "
+                f"{'.'.join(map(str, MIN_VERSION))} or newer is needed (--disable-userns)"
+            )
         self._uid: int | None = None
         self._gid: int | None = None
         if os.geteuid() == 0:
@@ -244,6 +251,15 @@ class BwrapSandbox:
         if self._uid is not None:
             return limits.processes
         return tasks_of_uid(os.getuid()) + limits.processes
+
+
+def bwrap_version(bwrap: str) -> tuple[int, ...]:
+    """`bwrap --version` ("bubblewrap 0.8.0") as a tuple; (0,) when it does not answer so."""
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10).stdout
+        return tuple(int(part) for part in out.split()[-1].split("."))
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return (0,)
 
 
 def _memfd(name: str, data: bytes) -> int:

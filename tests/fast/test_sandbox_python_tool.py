@@ -59,6 +59,7 @@ def test_the_miles_paths_resolve_to_the_retool_spec_and_an_async_executor() -> N
     executor = load_function("pinned_eval.sandbox.python_tool.execute_tool")
     assert inspect.iscoroutinefunction(executor)
     assert list(inspect.signature(executor).parameters) == ["name", "params"]
+    assert tool_module.execute is executor  # the name the issue uses, the same function
 
 
 @pytest.mark.parametrize(

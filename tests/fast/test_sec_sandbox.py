@@ -285,13 +285,18 @@ def test_unsafe_subprocess_needs_the_opt_in_and_says_so_on_every_result(sandbox:
     assert (safe.unsafe, safe.warning) == (False, None)
 
 
-def test_a_missing_bwrap_or_sandbox_user_is_refused_naming_the_fix() -> None:
+def test_a_missing_bwrap_or_sandbox_user_is_refused_naming_the_fix(shared_dir: Path) -> None:
     with pytest.raises(SandboxUnavailable, match="install the Debian package bubblewrap"):
         create_sandbox("bwrap", options={"bwrap": "/no/such/bwrap"})
     with pytest.raises(SandboxError, match=r"^sandbox: unknown backend 'docker'; known: bwrap, unsafe_subprocess$"):
         create_sandbox("docker")
     with pytest.raises(SandboxError, match=r"^sandbox bwrap options: ro_binds: 'venv' must be an absolute"):
         create_sandbox("bwrap", options={"ro_binds": ["venv"]})
+    old = shared_dir / "bwrap"
+    old.write_text("#!/bin/sh\necho 'bubblewrap 0.6.1'\n")
+    old.chmod(0o755)
+    with pytest.raises(SandboxUnavailable, match=r"is version 0\.6\.1; 0\.8\.0 or newer is needed"):
+        create_sandbox("bwrap", options={"bwrap": str(old)})
     if os.geteuid() == 0 and os.path.exists("/usr/bin/bwrap"):
         with pytest.raises(SandboxUnavailable, match="useradd --system"):
             create_sandbox("bwrap", options={"user": "pe-no-such-user"})
