@@ -22,6 +22,7 @@ from pinned_eval.sandbox import (
     BwrapSandbox,
     Outcome,
     RunResult,
+    Sandbox,
     SandboxError,
     SandboxLimits,
     SandboxUnavailable,
@@ -51,25 +52,31 @@ def attempt(label, action):
 
 
 def test_code_cannot_connect_to_a_port_the_worker_listens_on(sandbox: BwrapSandbox) -> None:
-    """A stand-in for the Prefect API on 127.0.0.1: the code's connect is refused and nothing arrives."""
-    with socket.socket() as api:
+    """A stand-in for the Prefect API on 127.0.0.1 (and an abstract unix socket, which a network
+    namespace also separates): the code's connects are refused and nothing arrives."""
+    abstract = f"\0pe-sandbox-test-{uuid.uuid4().hex}"
+    with socket.socket() as api, socket.socket(socket.AF_UNIX) as local:
         api.bind(("127.0.0.1", 0))
         api.listen(8)
+        local.bind(abstract)
+        local.listen(8)
         port = api.getsockname()[1]
         code = ATTEMPT + (
             "import socket\n"
             f"attempt('tcp', lambda: socket.create_connection(('127.0.0.1', {port}), timeout=5).close())\n"
             f"attempt('tcp-any', lambda: socket.create_connection(('0.0.0.0', {port}), timeout=5).close())\n"
             "attempt('outside', lambda: socket.create_connection(('192.0.2.1', 80), timeout=5).close())\n"
+            f"attempt('abstract', lambda: socket.socket(socket.AF_UNIX).connect({abstract!r}))\n"
             "print([name for _, name in socket.if_nameindex()])\n"
         )
         result = sandbox.run(code)
         assert result.outcome is Outcome.OK, result.stderr
         assert result.stdout.splitlines() == ["tcp ECONNREFUSED", "tcp-any ECONNREFUSED", "outside ENETUNREACH",
-                                              "['lo']"]
-        api.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            api.accept()  # nothing connected to the worker's port
+                                              "abstract ECONNREFUSED", "['lo']"]
+        for listener in (api, local):
+            listener.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # nothing connected to the worker's sockets
     assert_nothing_left(result)
 
 
@@ -337,6 +344,8 @@ def test_the_documented_example_and_defaults(sandbox: BwrapSandbox) -> None:
     result = create_sandbox().run("print(6 * 7)", files={"data.csv": "a,b\n1,2\n"},
                                   limits=SandboxLimits(wall_s=10, memory_mb=512))
     assert (result.outcome, result.exit_code, result.stdout) == (Outcome.OK, 0, "42\n")
+    assert isinstance(sandbox, Sandbox)
+    assert isinstance(create_sandbox("unsafe_subprocess", allow_unsafe=True), Sandbox)
     assert SandboxLimits().model_dump() == {
         "wall_s": 30.0, "cpu_s": 30, "memory_mb": 1024, "processes": 64, "output_bytes": 1 << 20, "file_mb": 16,
         "disk_mb": 64, "open_files": 256,
