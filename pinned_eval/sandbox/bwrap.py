@@ -95,7 +95,9 @@ def install_hint() -> str:
 
 
 class Running:
-    """A started bwrap run: `child_pid` (host PID of the program, its namespace's pid 1), `pid_namespace`; `wait()`."""
+    """A started bwrap run: `child_pid` (host PID of the program, its namespace's pid 1) and
+    `pid_namespace`. The deadline and the output cap are enforced by `wait()`: always call it
+    (after `kill()` if the run is abandoned)."""
 
     def __init__(self, popen: subprocess.Popen[bytes], status_r: int, limits: SandboxLimits, started: float):
         self.popen, self._status_r, self.limits, self.started = popen, status_r, limits, started

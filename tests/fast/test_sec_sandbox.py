@@ -278,6 +278,7 @@ def test_a_missing_program_is_start_failed_with_bwraps_reason(sandbox: BwrapSand
     result = sandbox.run(argv=["/no/such/program"])
     assert (result.outcome, result.exit_code) == (Outcome.START_FAILED, 1)
     assert result.stderr == "bwrap: execvp /no/such/program: No such file or directory\n"
+    assert_nothing_left(result)
 
 
 def test_unsafe_subprocess_needs_the_opt_in_and_says_so_on_every_result(sandbox: BwrapSandbox) -> None:
@@ -337,6 +338,7 @@ def test_ro_binds_are_readable_and_stay_read_only(shared_dir: Path) -> None:
     result = sandbox.run(code)
     assert result.stdout == "42\nwrite EROFS\n", result.stderr
     assert sorted(p.name for p in lib.iterdir()) == ["helper.py"]
+    assert_nothing_left(result)
 
 
 def test_the_documented_example_and_defaults(sandbox: BwrapSandbox) -> None:
