@@ -6,8 +6,9 @@ Contract of a run (every backend):
 - stdout and stderr are read together up to `limits.output_bytes`; one byte more kills the run
   (`output_limit`), so a flood never reaches the worker's memory;
 - at `limits.wall_s` the run is SIGKILLed (`timeout`);
-- after a kill, every process the run left (its group; for bwrap its whole pid namespace) is
-  SIGKILLed and waited for: `SandboxError` if one survives, so nothing stays running unnoticed.
+- when the program exits or is killed, its process group is SIGKILLed; under bwrap a kill also
+  SIGKILLs its whole pid namespace and waits until it is empty (`SandboxError` if a process
+  survives), so nothing stays running unnoticed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import selectors
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Protocol, runtime_checkable
@@ -197,8 +198,7 @@ class Collected(BaseModel):
 
 
 def collect(
-    popen: subprocess.Popen[bytes], *, limits: SandboxLimits, started: float, status_fd: int | None = None,
-    on_status: Callable[[bytes], None] | None = None,
+    popen: subprocess.Popen[bytes], *, limits: SandboxLimits, started: float, status_fd: int | None = None
 ) -> Collected:
     """Read stdout/stderr (and bwrap's status pipe) until the process exits and the pipes close,
     within the wall deadline and the output cap; kill the process group on either."""
@@ -237,8 +237,6 @@ def collect(
                     continue
                 if fd == status_fd:
                     status += data
-                    if on_status is not None:
-                        on_status(bytes(status))
                     continue
                 keep = max(0, limits.output_bytes - total)
                 bufs[fd] += data[:keep]
