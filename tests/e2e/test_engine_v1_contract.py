@@ -24,7 +24,12 @@ from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
 from pinned_eval.fleet.keys import FleetKeys
 from pinned_eval.fleet.launcher import LaunchedFleet, launch_fleet
 from tests.conftest import free_port
-from tests.e2e.test_sglang_contract import OPENAI_PROTOCOL, _conforms, _fields, api_types, sglang_wheel  # noqa: F401
+from tests.e2e import test_sglang_contract as sglang_contract
+from tests.e2e.test_sglang_contract import OPENAI_PROTOCOL, _conforms, _fields
+
+# the real SGLang wheel and its api_types (session fixtures of the /generate schema check)
+sglang_wheel = sglang_contract.sglang_wheel
+api_types = sglang_contract.api_types
 
 pytestmark = pytest.mark.e2e
 
@@ -71,8 +76,10 @@ def without(reply: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {k: v for k, v in reply.items() if k not in keys}
 
 
-GENERATE = {"input_ids": [1, 5, 6, 7], "rid": "contract-lp", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True}  # fmt: skip
+GENERATE = {
+    "input_ids": [1, 5, 6, 7], "rid": "contract-lp", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+    "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+}  # fmt: skip
 
 
 def test_generate_logprobs_survive_the_router_and_decode_under_sglangs_schema(
