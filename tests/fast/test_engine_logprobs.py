@@ -136,3 +136,11 @@ def test_batches_take_one_logprob_setting_per_prompt(client: TestClient) -> None
 def test_bad_logprob_fields_are_400_naming_them(client: TestClient, body: dict, needle: str) -> None:
     r = client.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, **body})
     assert r.status_code == 400 and needle in r.json()["error"], r.text
+
+
+def test_top_p_and_top_k_do_not_renormalise_the_reported_logprobs(client: TestClient, reference) -> None:
+    params = {"temperature": 1.0, "top_p": 0.5, "top_k": 5, "max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 9}
+    out = gen(client, input_ids=PROMPT, sampling_params=params, return_logprob=True)
+    rows = reference(PROMPT + out["output_ids"])
+    for k, (logprob, token, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        assert logprob == pytest.approx(float(rows[len(PROMPT) - 1 + k, token]), abs=1e-4)

@@ -269,3 +269,14 @@ def test_the_engine_cli_refuses_a_bad_rules_file_with_exit_2(tmp_path: Path, mod
     assert done.returncode == 2 and "expected a JSON list of rules" in done.stderr and "Traceback" not in done.stderr
     parser = subprocess.run([*cmd[:7], "--tool-call-parser", "llama3"], capture_output=True, text=True, timeout=120)
     assert parser.returncode == 2 and "tool_call_parser: Input should be 'qwen25' or 'hermes'" in parser.stderr
+
+
+def test_chat_content_parts_template_kwargs_and_default_length(qwen: TestClient, model_dir: Path) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]
+    joined = [{"role": "user", "content": "What is 2+2?"}]
+    out = chat(qwen, messages=parts, max_tokens=1)
+    assert out["usage"]["prompt_tokens"] == rendered_len(model_dir, joined, None)
+    thinking = chat(qwen, messages=joined, max_tokens=1, chat_template_kwargs={"enable_thinking": False})
+    assert thinking["usage"]["prompt_tokens"] > out["usage"]["prompt_tokens"]  # the template took the kwarg
+    unset = post(qwen, "/v1/chat/completions", {"messages": joined, "ignore_eos": True})
+    assert unset["usage"]["completion_tokens"] == 128  # SGLang's max_new_tokens default
