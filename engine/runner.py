@@ -268,6 +268,16 @@ class Runner:
         with self._cond:
             room = self.max_batch_size - len(self._batch)
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+        try:
+            self._prefill(new)
+        except Exception as err:  # the newcomers are in no batch yet: fail them here, not silently
+            rows = set(self._batch.rows)
+            for seq in new:
+                if seq not in rows:
+                    self._fail(seq, err)
+            raise
+
+    def _prefill(self, new: list[Sequence]) -> None:
         for seq in new:
             if seq.logprobs is not None and not seq.logprobs.input_done:
                 self._prompt_logprobs(seq, seq.logprobs)
@@ -381,7 +391,6 @@ class Runner:
             weight_versions=[{"version": v, "start": a, "end": b} for v, a, b in seq.spans] if multi else None,
             num_retractions=seq.num_retractions,
             e2e_latency=time.monotonic() - seq.created,
-            prompt_ids=seq.prompt_ids,
             logprobs=seq.logprobs,
         )
         if not seq.future.done():

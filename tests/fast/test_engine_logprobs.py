@@ -144,3 +144,19 @@ def test_top_p_and_top_k_do_not_renormalise_the_reported_logprobs(client: TestCl
     rows = reference(PROMPT + out["output_ids"])
     for k, (logprob, token, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
         assert logprob == pytest.approx(float(rows[len(PROMPT) - 1 + k, token]), abs=1e-4)
+
+
+@pytest.mark.timeout(60)  # before the fix the request hung forever
+def test_a_failing_prompt_forward_fails_the_request_instead_of_hanging_it(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = client.app.state.engine.runner._batch  # type: ignore[attr-defined]
+
+    def boom(ids: list[int]) -> torch.Tensor:
+        raise RuntimeError("boom: prompt forward failed")
+
+    monkeypatch.setattr(batch, "full_logits", boom)
+    with pytest.raises(RuntimeError, match="boom"):  # TestClient re-raises the server's error
+        client.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0})
+    monkeypatch.undo()
+    assert gen(client, input_ids=PROMPT, sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 6
