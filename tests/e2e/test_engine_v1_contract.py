@@ -174,3 +174,20 @@ def test_a_new_weight_version_names_every_reply_through_the_router(fleet: Launch
     finally:
         for url in fleet.engine_urls:
             httpx.post(f"{url}/update_weight_version", json={"new_version": "5"}, headers=admin, timeout=30)
+
+
+def test_lm_evals_sglang_generate_loglikelihood_batch_passes_the_router(fleet: LaunchedFleet) -> None:
+    """lm-eval's `sglang-generate` scores a batch of token-id prompts through `/generate`."""
+    context, prompts = [1, 5, 6], [[1, 5, 6, 7, 8], [1, 5, 6, 9]]
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "logprob_start_len": 0, "top_logprobs_num": 1, "return_logprob": True}  # fmt: skip
+    direct, routed = (r.json() for r in both(fleet, "/generate", body))
+    assert isinstance(routed, list) and len(routed) == 2
+    for d, r, ids in zip(direct, routed, prompts, strict=True):
+        meta = r["meta_info"]
+        assert meta["input_token_logprobs"] == d["meta_info"]["input_token_logprobs"]
+        assert [t[1] for t in meta["input_token_logprobs"]] == ids and meta["weight_version"] == "5"
+        # lm-eval's parse_logprobs: sum over the continuation, top-1 rows beside it
+        continuation = meta["input_token_logprobs"][len(context):]
+        assert len(continuation) == len(ids) - len(context) and all(t[0] <= 0 for t in continuation)
+        assert all(len(row) == 1 for row in meta["input_top_logprobs"][len(context):])
