@@ -56,6 +56,7 @@ class SeqResult:
     weight_versions: list[dict] | None
     num_retractions: int
     e2e_latency: float
+    prompt_ids: list[int] = field(default_factory=list)
     logprobs: Logprobs | None = None
 
 

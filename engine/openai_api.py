@@ -20,7 +20,10 @@ docs/engine.md, "OpenAI-compatible API"):
   of a list content are joined, and an assistant tool call's JSON `arguments` string is parsed
   into an object for the template (as SGLang does). Tool calls are parsed from the output by
   `--tool-call-parser` (engine/tool_calls.py). `logprobs` / `top_logprobs` give
-  `{"content": [...]}`; `return_meta_info` adds the choice's `/generate` `meta_info`.
+  `{"content": [...]}`; `return_meta_info` adds the choice's `/generate` `meta_info`;
+  `input_ids` (SGLang's pre-computed prompt) skips the template; `return_prompt_token_ids` /
+  `return_token_ids` add `prompt_token_ids` / `response_token_ids` to each choice (completions:
+  `return_token_ids` adds `token_ids` and `prompt_token_ids`).
 - Defaults: completions `max_tokens` 16, chat unlimited up to SGLang's 128 (`max_completion_tokens`
   or `max_tokens`), `temperature` 1.0, `top_p` 1.0. `stream: true` is refused.
 - Errors: SGLang's `ErrorResponse` `{"object": "error", "message": "<field>: <why>", "type":
@@ -92,6 +95,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
+    return_token_ids: bool = False
 
 
 class ChatRequest(_Sampling):
@@ -104,6 +108,9 @@ class ChatRequest(_Sampling):
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_meta_info: bool = False
+    input_ids: list[int] | None = None  # SGLang: a pre-computed prompt, the template is skipped
+    return_prompt_token_ids: bool = False
+    return_token_ids: bool = False
 
 
 def _error(status: int, message: str) -> Refused:
@@ -193,6 +200,8 @@ def add_openai_routes(app: FastAPI) -> None:
                 if r.logprobs is not None else None,
                 "finish_reason": reason, "matched_stop": matched,
             })  # fmt: skip
+            if body.return_token_ids:
+                choices[-1] |= {"token_ids": r.output_ids, "prompt_token_ids": r.prompt_ids}
         return JSONResponse({
             "id": results[0].rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
             "choices": choices, "usage": _usage(results, body.n), "metadata": _metadata(results[0]),
@@ -205,7 +214,8 @@ def add_openai_routes(app: FastAPI) -> None:
         tool_choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
         template_tools = body.tools if body.tools and tool_choice != "none" else None
         try:
-            ids = render_chat(st.tokenizer, body.messages, template_tools, body.chat_template_kwargs or {})
+            kwargs = body.chat_template_kwargs or {}
+            ids = body.input_ids or render_chat(st.tokenizer, body.messages, template_tools, kwargs)
         except ProtocolError as err:
             raise _error(400, str(err)) from None
         try:
@@ -232,6 +242,10 @@ def add_openai_routes(app: FastAPI) -> None:
                 "logprobs": chat_logprobs(r.logprobs, st.tokenizer) if r.logprobs is not None else None,
                 "finish_reason": reason, "matched_stop": matched,
             }  # fmt: skip
+            if body.return_prompt_token_ids or body.return_token_ids:
+                choice["prompt_token_ids"] = r.prompt_ids
+            if body.return_token_ids:
+                choice["response_token_ids"] = r.output_ids
             if body.return_meta_info:
                 choice["meta_info"] = meta_info(r, st.tokenizer)
             choices.append(choice)

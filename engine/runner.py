@@ -391,6 +391,7 @@ class Runner:
             weight_versions=[{"version": v, "start": a, "end": b} for v, a, b in seq.spans] if multi else None,
             num_retractions=seq.num_retractions,
             e2e_latency=time.monotonic() - seq.created,
+            prompt_ids=seq.prompt_ids,
             logprobs=seq.logprobs,
         )
         if not seq.future.done():

@@ -106,7 +106,7 @@ def test_completions_survive_with_string_prompts_token_ids_are_refused_by_the_ro
 ) -> None:
     protocol = zipfile.ZipFile(sglang_wheel).read(OPENAI_PROTOCOL)
     body = {"model": "tiny", "prompt": ["What is", "1+1="], "max_tokens": 1, "temperature": 0, "echo": True,
-            "logprobs": 1, "rid": "contract-cmpl"}  # fmt: skip
+            "logprobs": 1, "rid": "contract-cmpl", "return_token_ids": True}  # fmt: skip
     direct, routed = (r.json() for r in both(fleet, "/v1/completions", body))
     assert without(routed, "created") == without(direct, "created")  # every field, logprobs included
     assert (routed["id"], routed["model"], routed["metadata"]) == ("contract-cmpl_0", "tiny", {"weight_version": "5"})
@@ -114,7 +114,7 @@ def test_completions_survive_with_string_prompts_token_ids_are_refused_by_the_ro
     for choice in routed["choices"]:
         _conforms(choice, _fields(protocol, "CompletionResponseChoice"), "CompletionResponseChoice")
         _conforms(choice["logprobs"], _fields(protocol, "LogProbs"), "LogProbs")
-        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["token_ids"]) == 1
     _conforms(routed["usage"], _fields(protocol, "UsageInfo"), "UsageInfo")
     # lm-eval's default (tokenized_requests=True) sends token ids: the router refuses them, the engine takes them
     ids = {**body, "prompt": [[1, 5, 6, 7]]}
@@ -129,7 +129,7 @@ def test_completions_survive_with_string_prompts_token_ids_are_refused_by_the_ro
 def test_chat_tool_calls_survive_the_router_meta_info_and_rid_do_not(fleet: LaunchedFleet, sglang_wheel: Path) -> None:
     protocol = zipfile.ZipFile(sglang_wheel).read(OPENAI_PROTOCOL)
     body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 200, "logprobs": True,
-            "top_logprobs": 1, "return_meta_info": True, "rid": "contract-chat"}  # fmt: skip
+            "top_logprobs": 1, "return_meta_info": True, "rid": "contract-chat", "return_token_ids": True}  # fmt: skip
     direct, routed = (r.json() for r in both(fleet, "/v1/chat/completions", body))
     for reply in (direct, routed):
         (choice,) = reply["choices"]
@@ -144,7 +144,13 @@ def test_chat_tool_calls_survive_the_router_meta_info_and_rid_do_not(fleet: Laun
         _conforms(call, _fields(protocol, "ToolCall"), "ToolCall")
     assert routed["choices"][0]["logprobs"] == direct["choices"][0]["logprobs"]  # logprobs survive
     assert direct["id"] == "contract-chat" and direct["choices"][0]["meta_info"]["weight_version"] == "5"
-    assert routed["id"].startswith("chatcmpl-") and "meta_info" not in routed["choices"][0]  # extensions dropped
+    assert routed["id"].startswith("chatcmpl-")  # SGLang's chat extensions are dropped by the router:
+    assert {"meta_info", "prompt_token_ids", "response_token_ids"} <= set(direct["choices"][0])
+    assert not {"meta_info", "prompt_token_ids", "response_token_ids"} & set(routed["choices"][0])
+    pre = {"model": "tiny", "messages": ASK, "input_ids": [1, 5, 6], "max_tokens": 1}
+    direct_pre, routed_pre = (r.json()["usage"]["prompt_tokens"] for r in both(fleet, "/v1/chat/completions", pre))
+    rendered = both(fleet, "/v1/chat/completions", without(pre, "input_ids"))[0].json()["usage"]["prompt_tokens"]
+    assert (direct_pre, routed_pre) == (3, rendered)  # through the router `input_ids` is lost: the template ran
     assert both(fleet, "/v1/chat/completions", without(body, "model"))[1].json()["model"] == "unknown"
 
 

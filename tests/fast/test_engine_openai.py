@@ -280,3 +280,25 @@ def test_chat_content_parts_template_kwargs_and_default_length(qwen: TestClient,
     assert thinking["usage"]["prompt_tokens"] > out["usage"]["prompt_tokens"]  # the template took the kwarg
     unset = post(qwen, "/v1/chat/completions", {"messages": joined, "ignore_eos": True})
     assert unset["usage"]["completion_tokens"] == 128  # SGLang's max_new_tokens default
+
+
+def test_token_id_extensions_of_both_routes(qwen: TestClient, model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = tok.apply_chat_template(ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    # a pre-computed prompt skips the template (here: the same prompt, so the same scripted call)
+    out = chat(qwen, messages=[{"role": "user", "content": "ignored"}], input_ids=ids, tools=TOOLS,
+               return_token_ids=True)  # fmt: skip
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["prompt_token_ids"] == ids
+    assert tok.decode(choice["response_token_ids"]) == QWEN_CALL + "</s>"
+    only_prompt = chat(qwen, messages=ASK, max_tokens=1, return_prompt_token_ids=True)["choices"][0]
+    assert "response_token_ids" not in only_prompt and len(only_prompt["prompt_token_ids"]) == rendered_len(
+        model_dir, ASK, None
+    )
+    cmpl = post(qwen, "/v1/completions", {"prompt": [1, 5, 6], "max_tokens": 2, "return_token_ids": True})
+    assert cmpl["choices"][0]["prompt_token_ids"] == [1, 5, 6] and len(cmpl["choices"][0]["token_ids"]) == 2
+    plain = post(qwen, "/v1/completions", {"prompt": [1, 5, 6], "max_tokens": 1})["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
