@@ -302,3 +302,12 @@ def test_token_id_extensions_of_both_routes(qwen: TestClient, model_dir: Path) -
     assert cmpl["choices"][0]["prompt_token_ids"] == [1, 5, 6] and len(cmpl["choices"][0]["token_ids"]) == 2
     plain = post(qwen, "/v1/completions", {"prompt": [1, 5, 6], "max_tokens": 1})["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_the_documented_multi_turn_script_is_a_valid_rules_file(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text(encoding="utf-8")
+    block = doc.split("```json\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "rules.json").write_text(block, encoding="utf-8")
+    rules = load_rules(tmp_path / "rules.json")
+    assert [r.prompt_contains for r in rules] == ["<tool_response>", "What is 2+2?"]
+    assert rules[1].completion.startswith("<tool_call>\n{") and rules[1].completion.endswith("}\n</tool_call>")
