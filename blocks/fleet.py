@@ -81,6 +81,10 @@ class FleetBlock(Block):
     lora_target_modules: list[str] = Field(
         default_factory=list, description="Launch mode, SGLang: --lora-target-modules (default: all)."
     )
+    tool_call_parser: Literal["qwen25", "hermes"] | None = Field(
+        default=None,
+        description="Launch mode: SGLang's --tool-call-parser, so /v1/chat/completions replies carry tool_calls.",
+    )
     request_concurrency: int = Field(
         default=32, ge=1, le=4096, description="Most generate requests in flight against this fleet."
     )
@@ -134,7 +138,7 @@ class FleetBlock(Block):
         if self.backend == "cpu":
             return launch_cpu_fleet(
                 self.model_path, self.engines, state_file=state, api_key=api_key, admin_api_key=admin,
-                ready_timeout_s=ready_timeout_s,
+                ready_timeout_s=ready_timeout_s, tool_call_parser=self.tool_call_parser,
             )  # fmt: skip
         spec = SGLangFleetSpec(
             model_path=self.model_path,
@@ -144,6 +148,7 @@ class FleetBlock(Block):
             overrides=self.sglang_overrides,
             lora_max_rank=self.lora_max_rank if self.lora_mode == "adapter" else None,
             lora_target_modules=self.lora_target_modules if self.lora_mode == "adapter" else [],
+            tool_call_parser=self.tool_call_parser,
         )
         return launch_sglang_fleet(
             spec, log_dir=state.parent / "logs", state_file=state, api_key=api_key, admin_api_key=admin,

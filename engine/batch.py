@@ -24,7 +24,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.protocol import SamplingParams
+from engine.protocol import LogprobSpec, SamplingParams
+
+Top = list[tuple[float, int]]  # (logprob, token id), best first
+
+
+@dataclass
+class Logprobs:
+    """Raw logprobs of one sequence (token texts are added at the HTTP edge, see engine/logprobs.py).
+
+    `input_*` cover the prompt from `start_len` on; their first entry has no logprob (None), as in
+    SGLang. `output_*` have one entry per output token."""
+
+    spec: LogprobSpec
+    input_token: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top: list[Top | None] = field(default_factory=list)
+    output_token: list[tuple[float, int]] = field(default_factory=list)
+    output_top: list[Top] = field(default_factory=list)
+    input_done: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,8 @@ class SeqResult:
     weight_versions: list[dict] | None
     num_retractions: int
     e2e_latency: float
+    prompt_ids: list[int] = field(default_factory=list)
+    logprobs: Logprobs | None = None
 
 
 @dataclass(eq=False)
@@ -52,6 +71,8 @@ class Sequence:
     internal: bool = False  # health probes: not counted in stats or load
     lora_name: str | None = None  # the adapter named by the request's `lora_path`
     lora: Any = None  # its `engine.lora.Adapter`, resolved under the read lock
+    logprobs: Logprobs | None = None  # None: the request did not ask for logprobs
+    script: list[int] | None = None  # scripted decoding (engine/scripted.py): the tokens to emit
     output_ids: list[int] = field(default_factory=list)
     abort_message: str | None = None
     finish: dict | None = None
@@ -125,6 +146,14 @@ class KVBatch:
         self._merge(seqs, getattr(out, self.cache_kw), mask)
         return out.logits[:, -1, :]
 
+    def full_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one token sequence `[len(ids), vocab]` (no cache kept):
+        the prompt logprobs of a request that asked for them."""
+        x = torch.tensor([ids], dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+        return out.logits[0]
+
     def _merge(self, seqs: list[Sequence], cache: Any, mask: torch.Tensor) -> None:
         if not self.rows:
             self.rows, self.cache, self.mask = list(seqs), cache, mask
@@ -133,9 +162,7 @@ class KVBatch:
         width = max(self.mask.shape[1], mask.shape[1])
         for old, new in zip(self.cache.layers, cache.layers, strict=True):
             old.keys = torch.cat([_left_pad(old.keys, width, -2), _left_pad(new.keys, width, -2)], dim=0)
-            old.values = torch.cat(
-                [_left_pad(old.values, width, -2), _left_pad(new.values, width, -2)], dim=0
-            )
+            old.values = torch.cat([_left_pad(old.values, width, -2), _left_pad(new.values, width, -2)], dim=0)
         self.mask = torch.cat([_left_pad(self.mask, width, -1), _left_pad(mask, width, -1)], dim=0)
         self.rows.extend(seqs)
 

@@ -18,6 +18,8 @@ import typer
 from pydantic import ValidationError
 
 from engine.launch import ADMIN_API_KEY_ENV, API_KEY_ENV, EngineArgs
+from engine.protocol import describe
+from engine.scripted import ScriptError, load_rules
 
 app = typer.Typer(help="The bundled CPU engine that speaks SGLang's native HTTP API.", no_args_is_help=True)
 
@@ -40,6 +42,12 @@ def serve(
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 64,
     context_length: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     health_timeout: Annotated[float, typer.Option(help="Seconds /health waits for its probe token.")] = 20.0,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help="Parse tool calls in /v1/chat/completions like SGLang's: qwen25 or hermes.")
+    ] = None,
+    scripted_completions: Annotated[
+        str | None, typer.Option(help="TESTS ONLY: JSON rules file of prompt substring -> completion.")
+    ] = None,
 ) -> None:
     """Serve a model with SGLang's native HTTP API on CPU (foreground, until SIGINT/SIGTERM)."""
 
@@ -56,10 +64,18 @@ def serve(
             max_batch_size=max_batch_size,
             context_length=context_length,
             health_timeout_s=health_timeout,
+            tool_call_parser=tool_call_parser,  # type: ignore[arg-type]  # validated by EngineArgs
+            scripted_completions=scripted_completions,
         )
     except ValidationError as err:
-        typer.echo(f"engine serve: {err}", err=True)
+        typer.echo(f"engine serve: {describe(err)}", err=True)
         raise typer.Exit(code=2) from None
+    if scripted_completions is not None:
+        try:
+            load_rules(scripted_completions)
+        except ScriptError as err:
+            typer.echo(f"engine serve: {err}", err=True)
+            raise typer.Exit(code=2) from None
     if not Path(model_path).is_dir():
         typer.echo(f"engine serve: --model-path {model_path} is not a directory", err=True)
         raise typer.Exit(code=2)

@@ -9,6 +9,10 @@ Contract:
 - `finish_reason` returns SGLang's JSON (`{"type": "stop", "matched": <id or str>}` or
   `{"type": "length", "length": N}`) or None. No stop rule applies before `min_new_tokens`.
   EOS stops unless `ignore_eos`; `stop_token_ids` always stop.
+- `processed_logits` is the first half of `choose_token` (bias, penalties, min-token ban) and
+  `pick` the second; `token_logprobs` is the distribution SGLang reports for an output token
+  (its sampler): log-softmax of the processed logits, divided by the temperature unless the
+  request is greedy, before top-k/top-p/min-p; -inf is clamped to the float minimum (JSON-safe).
 - `output_text` decodes the output and trims the matched stop string (or a matched stop token)
   unless `no_stop_trim`; `output_ids` are never trimmed.
 - Sampling seeds: copy 0 of a request uses `sampling_seed` itself; copy j > 0 of an `n > 1`
@@ -46,14 +50,40 @@ def _penalise(
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
         seen = seen[seen < logits.numel()]
         vals = logits[seen]
-        logits[seen] = torch.where(
-            vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
-        )
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if output_ids and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
         ids = torch.tensor(output_ids, dtype=torch.long)
         ids = ids[ids < logits.numel()]
         counts = torch.bincount(ids, minlength=logits.numel()).to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def processed_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    stop_ids: Sequence[int],
+) -> torch.Tensor:
+    """One row of float logits `[vocab]` after logit_bias, penalties and the min-token stop ban."""
+    logits = logits.float().clone()
+    vocab = logits.numel()
+    for token, bias in params.logit_bias.items():
+        if 0 <= token < vocab:
+            logits[token] += bias
+    _penalise(logits, params, prompt_ids, output_ids)
+    if len(output_ids) < params.min_new_tokens:
+        banned = [t for t in stop_ids if 0 <= t < vocab]
+        if banned:
+            logits[banned] = float("-inf")
+    return logits
+
+
+def token_logprobs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logprob vector SGLang reports for an output position (see the module contract)."""
+    scaled = processed if params.greedy else processed / params.temperature
+    out = torch.log_softmax(scaled, dim=-1)
+    return out.clamp(min=torch.finfo(out.dtype).min)
 
 
 def choose_token(
@@ -65,16 +95,13 @@ def choose_token(
     stop_ids: Sequence[int],
 ) -> int:
     """Pick the next token from one row of float logits `[vocab]`."""
-    logits = logits.float().clone()
+    return pick(processed_logits(logits, params, prompt_ids, output_ids, stop_ids), params, generator)
+
+
+def pick(processed: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The sampling half of `choose_token`, over `processed_logits`."""
+    logits = processed.clone()
     vocab = logits.numel()
-    for token, bias in params.logit_bias.items():
-        if 0 <= token < vocab:
-            logits[token] += bias
-    _penalise(logits, params, prompt_ids, output_ids)
-    if len(output_ids) < params.min_new_tokens:
-        banned = [t for t in stop_ids if 0 <= t < vocab]
-        if banned:
-            logits[banned] = float("-inf")
     if params.greedy:
         return int(torch.argmax(logits))
     logits /= params.temperature

@@ -8,11 +8,14 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # Where the engine reads its keys (the launcher never puts them on the command line).
 API_KEY_ENV = "PINNED_EVAL_ENGINE_API_KEY"
 ADMIN_API_KEY_ENV = "PINNED_EVAL_ENGINE_ADMIN_API_KEY"
+
 
 class EngineArgs(BaseModel):
     """Startup configuration of one CPU engine (mirrors the SGLang ServerArgs it needs)."""
@@ -30,3 +33,8 @@ class EngineArgs(BaseModel):
     max_batch_size: int = Field(default=64, ge=1)
     context_length: int | None = Field(default=None, ge=2)
     health_timeout_s: float = Field(default=20.0, gt=0)
+    # SGLang's `--tool-call-parser` for /v1/chat/completions (engine/tool_calls.py); None: tool
+    # calls stay in the message content.
+    tool_call_parser: Literal["qwen25", "hermes"] | None = None
+    # Tests only: a JSON rules file of prompt substring -> completion (engine/scripted.py).
+    scripted_completions: str | None = None

@@ -15,6 +15,10 @@ Contract (SGLang 0.5.23 semantics, see the team's protocol reference §1.3-§1.8
   order; `n > 1` is expanded later by the server, copies kept next to their prompt.
 - `lora_path` names a loaded adapter (SGLang's semantics): one string for every prompt, or one
   entry per prompt of a batch (null = the base model).
+- Logprobs (SGLang's `GenerateReqInput`): `return_logprob`, `logprob_start_len` (-1 = output
+  tokens only; 0..len(prompt) = prompt tokens from there on; more is refused naming the field),
+  `top_logprobs_num` (0 = none) and `return_text_in_logprobs`; each is one value for every prompt
+  or one entry per prompt of a batch. They land in `PromptItem.logprobs` (None when not asked).
 """
 
 from __future__ import annotations
@@ -101,8 +105,7 @@ class SamplingParams(BaseModel):
             raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) must not exceed "
-                f"max_new_tokens ({self.max_new_tokens})"
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})"
             )
         return self
 
@@ -119,13 +122,21 @@ class SamplingParams(BaseModel):
             raise ProtocolError(f"{where}: expected an object, got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(SAMPLING_KEYS))
         if unknown:
-            raise ProtocolError(
-                f"{where}: unknown field `{unknown[0]}`, expected one of {', '.join(SAMPLING_KEYS)}"
-            )
+            raise ProtocolError(f"{where}: unknown field `{unknown[0]}`, expected one of {', '.join(SAMPLING_KEYS)}")
         try:
             return cls.model_validate(raw)
         except ValidationError as err:
             raise ProtocolError(describe(err, where)) from None
+
+
+@dataclass(frozen=True)
+class LogprobSpec:
+    """What one prompt asked for: SGLang's `logprob_start_len` (-1: output tokens only),
+    `top_logprobs_num` and `return_text_in_logprobs`."""
+
+    start_len: int = -1
+    top_n: int = 0
+    with_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,16 @@ class PromptItem:
     input_ids: list[int] | None
     params: SamplingParams
     lora_name: str | None = None
+    logprobs: LogprobSpec | None = None
+
+
+def _per_prompt(value: Any, count: int, field: str, default: Any) -> list[Any]:
+    """One value per prompt: a list must have one entry per prompt, a scalar is repeated."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ProtocolError(f"{field}: {len(value)} entries for a batch of {count} prompts")
+        return [default if v is None else v for v in value]
+    return [default if value is None else value] * count
 
 
 class GenerateRequest(BaseModel):
@@ -153,6 +174,9 @@ class GenerateRequest(BaseModel):
     lora_path: str | list[str | None] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
@@ -163,10 +187,6 @@ class GenerateRequest(BaseModel):
             raise ValueError("input_embeds: not supported by the CPU engine")
         if self.stream:
             raise ValueError("stream: streaming is not supported by the CPU engine; send stream=false")
-        if self.return_logprob is True or (
-            isinstance(self.return_logprob, list) and any(self.return_logprob)
-        ):
-            raise ValueError("return_logprob: logprobs are not supported by the CPU engine")
         return self
 
     @property
@@ -190,9 +210,7 @@ class GenerateRequest(BaseModel):
                 raise ProtocolError(
                     f"sampling_params: {len(self.sampling_params)} entries for a batch of {count} prompts"
                 )
-            params = [
-                SamplingParams.parse(p, f"sampling_params.{i}") for i, p in enumerate(self.sampling_params)
-            ]
+            params = [SamplingParams.parse(p, f"sampling_params.{i}") for i, p in enumerate(self.sampling_params)]
         else:
             params = [SamplingParams.parse(self.sampling_params)] * count
         if isinstance(self.rid, list):
@@ -209,17 +227,30 @@ class GenerateRequest(BaseModel):
             loras: list[str | None] = list(self.lora_path)
         else:
             loras = [self.lora_path] * count
+        specs = self._logprob_specs(count)
         out = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                out.append(PromptItem(i, rids[i], prompt, None, params[i], loras[i]))
+                out.append(PromptItem(i, rids[i], prompt, None, params[i], loras[i], specs[i]))
             else:
                 if not prompt:
-                    raise ProtocolError(
-                        f"input_ids.{i}: empty prompt" if self.is_batch else "input_ids: empty"
-                    )
-                out.append(PromptItem(i, rids[i], None, list(prompt), params[i], loras[i]))
+                    raise ProtocolError(f"input_ids.{i}: empty prompt" if self.is_batch else "input_ids: empty")
+                out.append(PromptItem(i, rids[i], None, list(prompt), params[i], loras[i], specs[i]))
         return out
+
+    def _logprob_specs(self, count: int) -> list[LogprobSpec | None]:
+        wanted = _per_prompt(self.return_logprob, count, "return_logprob", False)
+        starts = _per_prompt(self.logprob_start_len, count, "logprob_start_len", -1)
+        tops = _per_prompt(self.top_logprobs_num, count, "top_logprobs_num", 0)
+        specs: list[LogprobSpec | None] = []
+        for i in range(count):
+            where = f".{i}" if isinstance(self.logprob_start_len, list) else ""
+            if starts[i] < -1:
+                raise ProtocolError(f"logprob_start_len{where}: must be -1 or >= 0, got {starts[i]}")
+            if tops[i] < 0:
+                raise ProtocolError(f"top_logprobs_num: must be >= 0, got {tops[i]}")
+            specs.append(LogprobSpec(starts[i], tops[i], self.return_text_in_logprobs) if wanted[i] else None)
+        return specs
 
 
 class _Body(BaseModel):

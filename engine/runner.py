@@ -20,6 +20,11 @@ Contract and invariants:
   (`weights_ok` False) and aborts everything in flight; only a later successful load clears it.
 - LoRA (engine/lora.py): a sequence may carry an adapter; the rows of every forward are handed to
   `LoraHooks` just before it, so each row gets its own adapter's delta (or none).
+- Logprobs (a sequence with `logprobs` set): each output token's logprob and top-k come from
+  `decoding.token_logprobs` at the step that chose it; prompt logprobs come from one extra
+  forward over the prompt when the sequence is admitted (`KVBatch.full_logits`), also for
+  `max_new_tokens == 0` (lm-eval's loglikelihood requests), kept across retractions.
+- Scripted sequences (`script`, engine/scripted.py) emit their tokens instead of sampling.
 - Pause modes (SGLang): abort = abort everything; retract = rows go back to the waiting queue
   (cache dropped, recomputed on continue); in_place = rows keep their cache and wait.
 """
@@ -39,7 +44,7 @@ from typing import Any
 import torch
 
 from engine import decoding, weights
-from engine.batch import KVBatch, SeqResult, Sequence
+from engine.batch import KVBatch, Logprobs, SeqResult, Sequence, Top
 from engine.lora import LoraHooks
 
 __all__ = ["Runner", "SeqResult", "Sequence", "Stats"]
@@ -84,9 +89,7 @@ class Runner:
         self.eos_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
-        self.bos_id: int = (
-            self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.pad_id
-        )
+        self.bos_id: int = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.pad_id
         self.vocab_size: int = int(config.vocab_size)
         self.context_len: int = context_length or int(getattr(config, "max_position_embeddings", 2048))
         self.model_type: str = config.model_type
@@ -129,9 +132,7 @@ class Runner:
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "Aborted by request.") -> int:
         """Flag matching live sequences (rid equal or `rid_<i>` copies); returns how many."""
         with self._cond:
-            hits = [
-                s for s in self._live if abort_all or (rid and (s.rid == rid or s.rid.startswith(f"{rid}_")))
-            ]
+            hits = [s for s in self._live if abort_all or (rid and (s.rid == rid or s.rid.startswith(f"{rid}_")))]
             for seq in hits:
                 seq.abort_message = seq.abort_message or message
             self._dirty = True
@@ -267,6 +268,19 @@ class Runner:
         with self._cond:
             room = self.max_batch_size - len(self._batch)
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+        try:
+            self._prefill(new)
+        except Exception as err:  # the newcomers are in no batch yet: fail them here, not silently
+            rows = set(self._batch.rows)
+            for seq in new:
+                if seq not in rows:
+                    self._fail(seq, err)
+            raise
+
+    def _prefill(self, new: list[Sequence]) -> None:
+        for seq in new:
+            if seq.logprobs is not None and not seq.logprobs.input_done:
+                self._prompt_logprobs(seq, seq.logprobs)
         todo = []
         for seq in new:
             if seq.params.max_new_tokens == 0:
@@ -285,11 +299,27 @@ class Runner:
             self._advance(seq, logits[i])
         self._drop_finished()
 
+    def _prompt_logprobs(self, seq: Sequence, lp: Logprobs) -> None:
+        """SGLang's input logprobs: tokens from `start_len` on, the first without a logprob."""
+        lp.input_done = True
+        start = lp.spec.start_len
+        if start < 0 or start >= len(seq.prompt_ids):
+            return
+        self.lora.rows = [seq.lora]
+        logprobs = torch.log_softmax(self._batch.full_logits(seq.prompt_ids).float(), dim=-1)
+        logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+        ids = seq.prompt_ids
+        lp.input_token = [(None, ids[start])]
+        lp.input_top = [None]
+        for pos in range(start + 1, len(ids)):
+            row = logprobs[pos - 1]
+            lp.input_token.append((float(row[ids[pos]]), ids[pos]))
+            if lp.spec.top_n:
+                lp.input_top.append(_top(row, lp.spec.top_n))
+
     def _decode_step(self) -> None:
         rows = self._batch.rows
-        self.stats.max_batch_size_seen = max(
-            self.stats.max_batch_size_seen, sum(not s.internal for s in rows)
-        )
+        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, sum(not s.internal for s in rows))
         self.lora.rows = [s.lora for s in rows]
         logits = self._batch.step()
         self.stats.decode_steps += 1
@@ -305,16 +335,31 @@ class Runner:
         params = seq.params
         assert seq.generator is not None
         stop_ids = [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_ids)]
-        token = decoding.choose_token(logits, params, seq.prompt_ids, seq.output_ids, seq.generator, stop_ids)
+        processed = decoding.processed_logits(logits, params, seq.prompt_ids, seq.output_ids, stop_ids)
+        token = self._scripted(seq)
+        if token is None:
+            token = decoding.pick(processed, params, seq.generator)
+        if seq.logprobs is not None:
+            row = decoding.token_logprobs(processed, params)
+            seq.logprobs.output_token.append((float(row[token]), token))
+            if seq.logprobs.spec.top_n:
+                seq.logprobs.output_top.append(_top(row, seq.logprobs.spec.top_n))
         seq.record_token(token, self.weight_version)
-        text = (
-            self._decode(seq.output_ids, params.skip_special_tokens)
-            if params.stop or params.stop_regex
-            else None
-        )
+        text = self._decode(seq.output_ids, params.skip_special_tokens) if params.stop or params.stop_regex else None
         seq.finish = decoding.finish_reason(
             params, seq.output_ids, text, self.eos_ids, len(seq.prompt_ids), self.context_len
         )
+
+    def _scripted(self, seq: Sequence) -> int | None:
+        """The next scripted token of `seq` (then EOS), or None to sample from the model."""
+        if seq.script is None:
+            return None
+        index = len(seq.output_ids)
+        if index < len(seq.script):
+            return seq.script[index]
+        if seq.params.ignore_eos or not self.eos_ids or index < seq.params.min_new_tokens:
+            return None
+        return self.eos_ids[0]
 
     def _drop_finished(self) -> None:
         rows = self._batch.rows
@@ -343,11 +388,11 @@ class Runner:
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
             weight_version=str(seq.spans[-1][0]) if multi else self.weight_version,
-            weight_versions=[{"version": v, "start": a, "end": b} for v, a, b in seq.spans]
-            if multi
-            else None,
+            weight_versions=[{"version": v, "start": a, "end": b} for v, a, b in seq.spans] if multi else None,
             num_retractions=seq.num_retractions,
             e2e_latency=time.monotonic() - seq.created,
+            prompt_ids=seq.prompt_ids,
+            logprobs=seq.logprobs,
         )
         if not seq.future.done():
             seq.future.set_result(result)
@@ -357,3 +402,9 @@ class Runner:
             self._live.discard(seq)
         if not seq.future.done():
             seq.future.set_exception(err)
+
+
+def _top(row: torch.Tensor, n: int) -> Top:
+    """The `n` best (logprob, token id) of one logprob row, best first."""
+    values, ids = torch.topk(row, min(n, row.numel()))
+    return [(float(v), int(i)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]

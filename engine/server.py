@@ -16,22 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import __version__, decoding
+from engine import __version__
 from engine.batch import SeqResult, Sequence
 from engine.control import add_control_routes, add_lora_routes
 from engine.launch import EngineArgs
+from engine.openai_api import add_openai_routes
 from engine.protocol import GenerateRequest, ProtocolError, SamplingParams
 from engine.runner import Runner
+from engine.scripted import Script, load_rules
+from engine.serving import execute, output
 from engine.state import EngineState, Refused, engine_state, normal_auth, parse_body
 
 log = logging.getLogger("pinned_eval.engine")
@@ -53,8 +54,9 @@ def create_app(args: EngineArgs) -> FastAPI:
             args.context_length,
         )
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, args.model_path)
+        rules = load_rules(args.scripted_completions) if args.scripted_completions else []
         runner.start()
-        app.state.engine = EngineState(args, runner, tokenizer)
+        app.state.engine = EngineState(args, runner, tokenizer, Script(rules, tokenizer) if rules else None)
         log.info(
             "engine ready model_path=%s weight_version=%s port=%s",
             args.model_path,
@@ -75,6 +77,7 @@ def create_app(args: EngineArgs) -> FastAPI:
     _health_routes(app)
     _info_routes(app)
     _generate_route(app)
+    add_openai_routes(app)
     add_control_routes(app)
     add_lora_routes(app)
     return app
@@ -96,9 +99,7 @@ def _health_routes(app: FastAPI) -> None:
         )
         runner.submit([seq])
         try:
-            result: SeqResult = await asyncio.wait_for(
-                asyncio.wrap_future(seq.future), st.args.health_timeout_s
-            )
+            result: SeqResult = await asyncio.wait_for(asyncio.wrap_future(seq.future), st.args.health_timeout_s)
         except TimeoutError:
             runner.abort(seq.rid, message="health check timed out")
             return Response(status_code=503)
@@ -126,7 +127,7 @@ def _info_routes(app: FastAPI) -> None:
             "weight_version": runner.weight_version,
             "load_format": runner.load_format,
             "reasoning_parser": None,
-            "tool_call_parser": None,
+            "tool_call_parser": st.args.tool_call_parser,
             "disaggregation_mode": "null",
             "has_image_understanding": False,
             "has_audio_understanding": False,
@@ -158,9 +159,7 @@ def _info_routes(app: FastAPI) -> None:
             "max_running_requests": st.args.max_batch_size,
             "context_length": runner.context_len,
             "startup_time": st.startup_time,
-            "internal_states": [
-                {**stats, **runner.load(), "paused": st.paused, "weights_ok": runner.weights_ok}
-            ],
+            "internal_states": [{**stats, **runner.load(), "paused": st.paused, "weights_ok": runner.weights_ok}],
             "version": __version__,
             "engine": "pinned-eval-cpu",
             "frontend": "python",
@@ -194,127 +193,18 @@ def _info_routes(app: FastAPI) -> None:
 
 
 # ---- generate -----------------------------------------------------------------------------------
-def _build(st: EngineState, req: GenerateRequest) -> tuple[list[Sequence], bool]:
-    """Sequences for every prompt and copy (request order, copies next to their prompt)."""
-    runner = st.runner
-    seqs: list[Sequence] = []
-    items = req.items()
-    for item in items:
-        where = f"input_ids.{item.index}" if req.is_batch else "input_ids"
-        if item.text is not None:
-            ids = list(st.tokenizer.encode(item.text))
-            where = f"text.{item.index}" if req.is_batch else "text"
-        else:
-            ids = item.input_ids or []
-            bad = [t for t in ids if not 0 <= t < runner.vocab_size]
-            if bad:
-                raise ProtocolError(
-                    f"{where}: token id {bad[0]} outside the vocabulary [0, {runner.vocab_size})"
-                )
-        if len(ids) >= runner.context_len:
-            raise ProtocolError(
-                f"{where}: the input ({len(ids)} tokens) is longer than the model's context "
-                f"length ({runner.context_len} tokens)"
-            )
-        if len(ids) + item.params.max_new_tokens > runner.context_len:
-            raise ProtocolError(
-                f"sampling_params.max_new_tokens: requested {len(ids)} + {item.params.max_new_tokens} "
-                f"tokens, "
-                f"more than the context length ({runner.context_len})"
-            )
-        rid = item.rid or uuid.uuid4().hex
-        for j in range(item.params.n):
-            seqs.append(
-                Sequence(
-                    rid=rid if item.params.n == 1 else f"{rid}_{j}",
-                    prompt_ids=ids,
-                    params=item.params,
-                    seed=decoding.copy_seed(item.params.sampling_seed, j),
-                    lora_name=item.lora_name,
-                )
-            )
-    single = not req.is_batch and items[0].params.n == 1
-    return seqs, single
-
-
-def _resolve_adapters(st: EngineState, seqs: list[Sequence]) -> None:
-    """Attach each sequence's adapter (under the read lock, so no unload can race it)."""
-    adapters = st.runner.lora.adapters
-    for seq in seqs:
-        if seq.lora_name is not None:
-            seq.lora = adapters.get(seq.lora_name)
-            if seq.lora is None:
-                raise Refused(
-                    400,
-                    {"error": f"lora_path: got LoRA adapter that has never been loaded: {seq.lora_name}; "
-                              f"loaded adapters: {sorted(adapters)}"},
-                )  # fmt: skip
-
-
-def _output(r: SeqResult) -> dict:
-    meta: dict[str, Any] = {
-        "id": r.rid,
-        "finish_reason": r.finish_reason,
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens,
-        "cached_tokens": 0,
-        "reasoning_tokens": 0,
-        "weight_version": r.weight_version,
-        "num_retractions": r.num_retractions,
-        "e2e_latency": round(r.e2e_latency, 6),
-    }
-    if r.weight_versions is not None:
-        meta["weight_versions"] = r.weight_versions
-    return {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
-
-
-async def _await_results(request: Request, runner: Runner, seqs: list[Sequence]) -> list[SeqResult]:
-    """Wait for every sequence; abort them if the client disconnects or the handler is cancelled."""
-    gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(s.future) for s in seqs)))
-    try:
-        while True:
-            done, _ = await asyncio.wait({gathered}, timeout=0.5)
-            if done:
-                return gathered.result()
-            if await request.is_disconnected():
-                runner.abort_seqs(seqs, "Client disconnected.")
-    finally:
-        if not gathered.done():
-            runner.abort_seqs(seqs, "Request cancelled.")
-
-
 def _generate_route(app: FastAPI) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"], dependencies=[Depends(normal_auth)])
     async def generate(request: Request) -> JSONResponse:
         st = engine_state(request)
-        started = time.monotonic()
         req = await parse_body(request, GenerateRequest)
         try:
-            seqs, single = _build(st, req)
+            items = req.items()
         except ProtocolError as err:
             raise Refused(400, {"error": str(err)}) from None
-        await st.wait_unpaused()
-        async with st.lock.read():
-            if not st.runner.weights_ok:
-                raise Refused(
-                    503, {"error": "weights unknown after a failed weight update; load a good snapshot"}
-                )
-            _resolve_adapters(st, seqs)
-            st.runner.submit(seqs)
-            results = await _await_results(request, st.runner, seqs)
-        finishes = sorted({r.finish_reason["type"] for r in results})
-        log.info(
-            "generate rid=%s seqs=%d prompt_tokens=%d completion_tokens=%d finish=%s version=%s lora=%s %.3fs",
-            results[0].rid,
-            len(results),
-            sum(r.prompt_tokens for r in results),
-            sum(r.completion_tokens for r in results),
-            ",".join(finishes),
-            results[0].weight_version,
-            ",".join(sorted({s.lora_name or "-" for s in seqs})),
-            time.monotonic() - started,
-        )
-        outputs = [_output(r) for r in results]
+        results = await execute(request, st, items, "generate", req.is_batch)
+        outputs = [output(r, st.tokenizer) for r in results]
+        single = not req.is_batch and items[0].params.n == 1
         return JSONResponse(outputs[0] if single else outputs)
 
 
@@ -323,9 +213,7 @@ def serve(args: EngineArgs) -> None:
     from transformers.utils import logging as hf_logging  # transformers: slow import, only when serving
 
     hf_logging.disable_progress_bar()
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s engine:{args.port} %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine:{args.port} %(levelname)s %(message)s")
     for noisy in ("httpx", "transformers", "uvicorn.error"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = uvicorn.Config(

@@ -74,8 +74,9 @@ class RWLock:
 class EngineState:
     """Everything the HTTP handlers share; created in the app's lifespan."""
 
-    def __init__(self, args: EngineArgs, runner: Runner, tokenizer) -> None:
+    def __init__(self, args: EngineArgs, runner: Runner, tokenizer, script: Any = None) -> None:
         self.args = args
+        self.script = script  # engine.scripted.Script when --scripted-completions is set
         self.runner = runner
         self.tokenizer = tokenizer  # the event loop's own copy (the runner thread has another)
         self.lock = RWLock()

@@ -6,7 +6,8 @@ Contract:
   or shards + `model.safetensors.index.json` when `max_shard_size` is given), and a byte-level BPE
   tokenizer trained offline on a fixed corpus (digits, arithmetic, short English words) with
   specials `<pad>`=0, `<s>`=1, `</s>`=2 and a chat template (`role: content` lines, or with
-  `chat_template="chatml"` a Qwen-style ChatML Jinja template). Nothing is downloaded.
+  `chat_template="chatml"` a Qwen-style ChatML Jinja template that also renders `tools`, assistant
+  `tool_calls` and `tool` messages as Qwen2.5's does). Nothing is downloaded.
 - The same (arch, seed, sizes) always gives the same tokenizer and the same weights.
 - `tokenizer_config.json` names `PreTrainedTokenizerFast` (no `backend` key) so transformers 4.x
   readers load it too. Every file is mode 0644 (safetensors writes 0600). Caveat: for `qwen2`,
@@ -35,9 +36,24 @@ CHAT_TEMPLATE = (
 # A Qwen-style ChatML template (Jinja): `<|im_start|>role\ncontent<|im_end|>\n` per message, the
 # assistant header as generation prompt, and Qwen3's `enable_thinking=False` empty think block.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# Tools follow Qwen2.5's template: a system block listing `tools` as JSON, assistant tool calls as
+# `<tool_call>\n{"name", "arguments"}\n</tool_call>`, tool results as a user `<tool_response>`.
 CHATML_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\n# Tools\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools><|im_end|>\n' }}{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"

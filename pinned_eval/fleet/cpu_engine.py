@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +49,12 @@ class CpuEngineArgs(BaseModel):
     max_batch_size: int = Field(default=64, ge=1)
     context_length: int | None = Field(default=None, ge=2)
     health_timeout_s: float = Field(default=20.0, gt=0)
+    tool_call_parser: Literal["qwen25", "hermes"] | None = Field(
+        default=None, description="SGLang's --tool-call-parser for /v1/chat/completions (None: calls stay text)."
+    )
+    scripted_completions: str | None = Field(
+        default=None, description="Tests only: the engine's --scripted-completions rules file."
+    )
 
     def cli_args(self) -> list[str]:
         """The `python -m engine` flags that reproduce these args, keys excepted (see `engine_env`)."""
@@ -57,6 +64,8 @@ class CpuEngineArgs(BaseModel):
         optional = {
             "--served-model-name": self.served_model_name,
             "--context-length": self.context_length,
+            "--tool-call-parser": self.tool_call_parser,
+            "--scripted-completions": self.scripted_completions,
         }
         for flag, value in optional.items():
             if value is not None:

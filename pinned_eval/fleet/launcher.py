@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -86,9 +86,11 @@ def cpu_engine_specs(
     admin_api_key: str | None = None,
     threads_per_engine: int | None = None,
     python: str = sys.executable,
+    tool_call_parser: Literal["qwen25", "hermes"] | None = None,
 ) -> list[ProcessSpec]:
     """`python -m engine` (the bundled CPU engine) commands, one free port each; the keys go in
-    each engine's environment (never its argv)."""
+    each engine's environment (never its argv); `tool_call_parser` is SGLang's
+    `--tool-call-parser` (tool calls parsed in /v1/chat/completions replies)."""
     threads = threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     specs = []
     for _ in range(n_engines):
@@ -99,6 +101,7 @@ def cpu_engine_specs(
             api_key=api_key,
             admin_api_key=admin_api_key,
             threads=threads,
+            tool_call_parser=tool_call_parser,
         )
         env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         specs.append(engine_spec(args, python=python, env=env).model_copy(update={"health_path": "/health"}))
@@ -310,12 +313,14 @@ def launch_cpu_fleet(
     api_key: str | None = None,
     admin_api_key: str | None = None,
     ready_timeout_s: float = 300.0,
+    tool_call_parser: Literal["qwen25", "hermes"] | None = None,
 ) -> LaunchedFleet:
     """N bundled CPU engines serving `model_path` behind sglang-router; keys not given are generated."""
     keys = FleetKeys.resolve(api_key, admin_api_key)
     specs = cpu_engine_specs(
-        model_path, n_engines, weight_version=weight_version, api_key=keys.api, admin_api_key=keys.admin
-    )
+        model_path, n_engines, weight_version=weight_version, api_key=keys.api, admin_api_key=keys.admin,
+        tool_call_parser=tool_call_parser,
+    )  # fmt: skip
     log_dir = log_dir or (state_file.parent if state_file else Settings().home / "fleet") / "logs"
     return launch_fleet(
         specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,

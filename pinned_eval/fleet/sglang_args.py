@@ -13,6 +13,8 @@ Rules (miles `_apply_eval_model_config`, reference miles-eval §8):
 - The base mapping is never mutated. Keys are ServerArgs field names; a flag is `--` + the name
   with `_` turned into `-`. True booleans become bare flags, False and None are left out, lists
   become repeated values, dicts JSON.
+- `tool_call_parser` (SGLang's `--tool-call-parser`, e.g. qwen25 / hermes) is set after the TP and
+  before the overrides, so an override still wins.
 - LoRA adapter mode (`lora_max_rank` set): `--enable-lora --max-lora-rank N --lora-target-modules
   <modules|all>` after the TP and before the overrides (SGLang sizes its LoRA buffers at launch;
   adapters are loaded later with /load_lora_adapter, so no `--lora-paths`).
@@ -65,6 +67,9 @@ class SGLangFleetSpec(BaseModel):
     lora_target_modules: list[str] = Field(
         default_factory=list, description="Adapter mode: `--lora-target-modules` (empty: `all`)."
     )
+    tool_call_parser: str | None = Field(
+        default=None, pattern=r"^[a-z0-9_]+$", description="`--tool-call-parser` (None: the base args' value)."
+    )
     host: str = "127.0.0.1"
     python: str = Field(default=sys.executable, description="Interpreter that has sglang installed.")
 
@@ -110,6 +115,8 @@ def resolve_server_args(spec: SGLangFleetSpec) -> dict[str, Any]:
     args["model_path"] = spec.model_path
     if spec.weight_version is not None:
         args["weight_version"] = spec.weight_version
+    if spec.tool_call_parser is not None:
+        args["tool_call_parser"] = spec.tool_call_parser
     if spec.lora_max_rank is not None:  # adapters are loaded per point: none at boot (no --lora-paths)
         args["enable_lora"] = True
         args["max_lora_rank"] = spec.lora_max_rank

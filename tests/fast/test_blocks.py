@@ -92,3 +92,21 @@ def test_external_backend_and_source_roots_validate_naming_the_field() -> None:
     s = StagingBlock(root="/stage", source_roots=["/ckpts", "s3://b/p"])
     assert s.all_source_roots() == ["/stage", "/ckpts", "s3://b/p"]
     assert StagingBlock(root="/stage").all_source_roots() == ["/stage"]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sglang"])
+def test_fleet_block_launch_passes_the_tool_call_parser(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import blocks.fleet as fleet_module
+
+    calls: list[tuple[str, tuple, dict]] = []
+    monkeypatch.setattr(fleet_module, "launch_cpu_fleet", lambda *a, **kw: calls.append(("cpu", a, kw)))
+    monkeypatch.setattr(fleet_module, "launch_sglang_fleet", lambda *a, **kw: calls.append(("sglang", a, kw)))
+    block = FleetBlock(mode="launch", state_file=str(tmp_path / "fleet.json"), model_path="/m",
+                       backend=backend, tool_call_parser="qwen25")  # fmt: skip
+    block.launch()
+    ((kind, args, kwargs),) = calls
+    assert kind == backend
+    parser = kwargs["tool_call_parser"] if backend == "cpu" else args[0].tool_call_parser
+    assert parser == "qwen25"

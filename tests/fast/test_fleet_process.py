@@ -119,3 +119,11 @@ def test_cpu_engine_command_matches_the_engine_cli() -> None:
     ).stdout
     for flag in (a for a in cmd[3:] if a.startswith("--")):
         assert flag in help_text, flag
+
+
+def test_cpu_fleet_specs_pass_the_tool_call_parser() -> None:
+    from pinned_eval.fleet.launcher import cpu_engine_specs
+
+    with_parser = cpu_engine_specs("/m", 2, tool_call_parser="hermes")
+    assert all(s.command[s.command.index("--tool-call-parser") + 1] == "hermes" for s in with_parser)
+    assert all("--tool-call-parser" not in s.command for s in cpu_engine_specs("/m", 1))

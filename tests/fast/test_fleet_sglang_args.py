@@ -169,3 +169,14 @@ def test_adapter_mode_enables_lora_at_launch() -> None:
 def test_lora_target_modules_need_a_rank() -> None:
     with pytest.raises(ValidationError, match="lora_target_modules: needs lora_max_rank"):
         spec(lora_target_modules=["q_proj"])
+
+
+def test_tool_call_parser_reaches_the_command_and_an_override_still_wins() -> None:
+    cmd = sglang_engine_specs(spec(tool_call_parser="qwen25"), [1, 2])[0].command
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "qwen25"
+    assert resolve_server_args(spec(tool_call_parser="qwen25", overrides={"tool_call_parser": "hermes"}))[
+        "tool_call_parser"
+    ] == "hermes"
+    assert "tool_call_parser" not in resolve_server_args(spec())
+    with pytest.raises(ValidationError, match="tool_call_parser"):
+        spec(tool_call_parser="qwen25 --api-key x")
