@@ -33,10 +33,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.points import RunName, history_artifact_key
 from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
 from pinned_eval.skips import EvalSkipped
-from pinned_eval.suite import EvalSuite, ResolvedDataset
+from pinned_eval.suite import EvalSuite
 
 __all__ = [
     "CheckpointEvalFn",

@@ -25,10 +25,11 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict
 
 from blocks.fleet import FleetBlock
+from pinned_eval.datasets.loader import EvalSample, load_dataset
+from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.fleet.client import FleetClient
 from pinned_eval.prompts import PromptRenderer, RenderedPrompt
 from pinned_eval.skip_mapping import fleet_skips
-from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
 
 
 class Generation(BaseModel):

@@ -39,6 +39,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pinned_eval.datasets.loader import EvalSample, load_dataset
+from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.external import (
     CheckpointEvalFn,
     DatasetResult,
@@ -76,7 +78,6 @@ from pinned_eval.scoring.remote import RewardItem, score_responses
 from pinned_eval.settings import Settings
 from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.skips import SkipReason
-from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
 
 ENV_PREFIX = "PINNED_EVAL_EXTERNAL_"
 

@@ -1,7 +1,7 @@
 """Reward functions `(response, label, metadata=None) -> float | None` and their registry.
 
 `label` keeps its JSON type (str, int or float) as miles sees it (custom rewards too); `metadata` is the row's
-metadata (see `pinned_eval.scoring.loader`). Rewards (each documented in its module):
+metadata (see `pinned_eval.datasets.loader`). Rewards (each documented in its module):
 - miles' rm types, scored as miles' `rm_hub.async_rm` at 31f1ca9 does (docs/rewards.md):
   `math`, `deepscaler`, `gemma_math` (`math_rewards`), `dapo`, `f1` (`miles_rewards`), `gpqa`
   (`choice_rewards`), and the `boxed_` forms `boxed_dapo`, `boxed_f1`, `boxed_gpqa` (the rm
