@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 
 from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.plugins import load_object
-from pinned_eval.points import RunName, history_artifact_key
+from pinned_eval.points import RunName, history_artifact_key, weight_version
 from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
 from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import EvalSuite
@@ -88,7 +88,7 @@ class EvalInput(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def weight_version(self) -> str:
-        return str(self.step)
+        return weight_version(self.step)
 
     @property
     def datasets(self) -> list[ResolvedDataset]:

@@ -158,7 +158,7 @@ class PointRequest(BaseModel):
 
     @property
     def weight_version(self) -> str:
-        return str(self.step)
+        return weight_version(self.step)
 
     @property
     def event_id(self) -> uuid.UUID:
@@ -166,6 +166,7 @@ class PointRequest(BaseModel):
 
 
 def weight_version(step: int) -> str:
+    """The weight version of `step`'s weights: what every pin loads and every reply must carry."""
     return str(step)
 
 
