@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.datasets.spec import ResolvedDataset
@@ -20,6 +21,7 @@ from pinned_eval.rollout import (
     ROLLOUTS,
     PointSession,
     Sample,
+    Usage,
     register_rollout,
     rollout_kind,
     run_rollouts,
@@ -198,5 +200,11 @@ async def test_session_counts_a_refused_reply_as_requested_not_completed() -> No
                                       "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}]  # fmt: skip
 
 
-def test_generation_is_the_sample_record_for_one_release() -> None:
+def test_generation_is_the_sample_record_for_one_release_and_it_is_frozen() -> None:
     assert Generation is Sample
+    sample = Sample(dataset="d", prompt_index=0, sample_index=0, prompt="p", label="l", metadata={}, response="r",
+                    response_len=1, finish_reason="stop", weight_version="7")  # fmt: skip
+    with pytest.raises(ValidationError, match="frozen"):
+        sample.response = "other"
+    assert sample.usage is None and Usage(requests=1).model_dump() == {
+        "requests": 1, "prompt_tokens": 0, "completion_tokens": 0}
