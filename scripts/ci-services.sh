@@ -9,9 +9,13 @@
 #   from starting while it installs (policy-rc.d), so nothing listens on 6379.
 # - Chromium (Debian `chromium`, /usr/bin/chromium) for the UI check of tests/e2e/test_demo.py,
 #   driven headless by playwright; that test fails when no browser is found.
+# - bubblewrap (Debian `bubblewrap`, /usr/bin/bwrap), the default sandbox for model-written code
+#   (pinned_eval/sandbox), and its unprivileged user `pe-sandbox` (no home, no shell), which a
+#   root worker runs sandboxes as. The sandbox tests fail as root without them, skip otherwise.
 #
 # Without root (or apt-get) nothing is installed: the scale-out test skips with its reason and
-# the UI test fails with the missing browser named; the multi-host harness skips, naming redis-server.
+# the UI test fails with the missing browser named; the multi-host harness skips, naming redis-server;
+# the sandbox tests skip, naming bwrap.
 set -euo pipefail
 
 have_postgres() {
@@ -79,4 +83,19 @@ else
   apt_update
   apt-get install -y -qq --no-install-recommends chromium >/dev/null
   have_chromium && echo "ci-services: Chromium installed: $(command -v chromium)"
+fi
+
+if command -v bwrap >/dev/null 2>&1; then
+  echo "ci-services: bubblewrap present: $(command -v bwrap)"
+elif ! can_apt; then
+  echo "ci-services: bubblewrap not installed and cannot apt-get here; the sandbox tests will skip" >&2
+else
+  apt_update
+  apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null
+  command -v bwrap >/dev/null 2>&1 && echo "ci-services: bubblewrap installed: $(command -v bwrap)"
+fi
+
+if [[ $(id -u) -eq 0 ]] && ! id pe-sandbox >/dev/null 2>&1; then
+  useradd --system --no-create-home --shell /usr/sbin/nologin pe-sandbox
+  echo "ci-services: created the sandbox user pe-sandbox"
 fi
