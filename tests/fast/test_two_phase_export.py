@@ -1,0 +1,268 @@
+"""Two-phase in-loop export through `EvalClient.dispatch` (no Prefect server: a closed port, so
+every request lands in the real spool on disk): the loop waits for the copy into the host buffer,
+the snapshot is written in the background, the point is requested only after its marker."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pinned_eval.points import SnapshotSource
+from pinned_eval.snapshot.check import check_snapshot
+from pinned_eval.snapshot.host_staging import HostStaging, StagingBusyError
+from pinned_eval.snapshot.layout import MARKER
+from pinned_eval.snapshot.two_phase import LoraExport, StagedTensors, StateDictExport
+from tests.conftest import free_port
+from trainer_integration.client import EvalClient
+from trainer_integration.spool import Spool
+
+pytestmark = pytest.mark.timeout(60)
+WAIT_S = 30
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+class Recording(HostStaging):
+    """The CUDA path's shape with recording allocation/copy/synchronise (no GPU here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        super().__init__(pinned=True, alloc=self._rec_alloc, copy=self._rec_copy, synchronize=self._rec_sync)
+
+    def _rec_alloc(self, nbytes: int) -> torch.Tensor:
+        self.calls.append(("alloc", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _rec_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.calls.append(("copy", tuple(src.shape)))
+        dst.copy_(src)
+
+    def _rec_sync(self) -> None:
+        self.calls.append(("sync", None))
+
+    def acquire(self, *, wait: bool, timeout: float | None = None) -> bool:
+        self.calls.append(("acquire", wait))
+        return super().acquire(wait=wait, timeout=timeout)
+
+
+class Gated:
+    """A two-phase exporter whose background write blocks on an Event (then writes for real)."""
+
+    def __init__(self, inner: StateDictExport, fail: BaseException | None = None) -> None:
+        self.inner, self.fail = inner, fail
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.log: list[str] = []
+
+    def stage(self, step: int, pool: HostStaging) -> Any:
+        self.log.append(f"stage {step}")
+        staged = self.inner.stage(step, pool)
+        gate = self
+
+        class _Staged:
+            def write(self, dest: str, storage_options: dict[str, Any] | None = None) -> object:
+                gate.entered.set()
+                assert gate.release.wait(WAIT_S)
+                if gate.fail is not None:
+                    Path(dest).mkdir(parents=True, exist_ok=True)
+                    (Path(dest) / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+                    raise gate.fail
+                out = staged.write(dest, storage_options)
+                gate.log.append(f"written {step}")
+                return out
+
+        return _Staged()
+
+
+@pytest.fixture
+def make_client(tmp_path: Path) -> Iterator[Any]:
+    clients: list[EvalClient] = []
+
+    def make(**kw: Any) -> EvalClient:
+        kw.setdefault("spool_dir", tmp_path / "spool")
+        kw.setdefault("staging_root", tmp_path / "staging")
+        c = EvalClient("exp42", f"http://127.0.0.1:{free_port()}/api", startup_sync_s=0, **kw)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def _entries(tmp_path: Path) -> list[tuple[str, int]]:
+    return [(e.kind, e.step) for e in Spool(tmp_path / "spool" / "exp42").pending()]
+
+
+def test_dispatch_returns_before_the_blocked_write_and_requests_only_after_the_marker(tmp_path, make_client):
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    exporter = Gated(StateDictExport(model))
+    client = make_client()
+    marker_at_request: list[bool] = []
+    enqueue = client._enqueue
+
+    def recording_enqueue(entry: Any) -> None:  # what the disk held when the request was spooled
+        dest = tmp_path / "staging" / "exp42" / f"step_{entry.step:08d}"
+        marker_at_request.append((dest / MARKER).exists())
+        enqueue(entry)
+
+    client._enqueue = recording_enqueue  # type: ignore[method-assign]
+    result = client.dispatch(3, export=exporter)
+    assert (result.action, result.step) == ("exporting", 3)
+    assert result.export_time_seconds is not None
+    assert exporter.entered.wait(WAIT_S)  # the write has started and is blocked
+    dest = tmp_path / "staging" / "exp42" / "step_00000003"
+    assert not (dest / MARKER).exists() and _entries(tmp_path) == []  # nothing requested yet
+    assert client.dispatch(3, export=exporter).action == "exists"  # the step being written
+    assert 3 in client._spooled()  # admission counts it in flight
+    with torch.no_grad():  # the loop goes on training: the staged copy is what gets written
+        for p in model.parameters():
+            p.add_(1.0)
+    exporter.release.set()
+    assert client.wait_exports(WAIT_S)
+    assert _entries(tmp_path) == [("event", 3)] and marker_at_request == [True]
+    [entry] = Spool(tmp_path / "spool" / "exp42").pending()
+    assert SnapshotSource.model_validate(entry.body["payload"]["source"]).path == str(dest)
+    assert check_snapshot(str(dest)).complete
+    got = load_file(str(dest / "model.safetensors")) if (dest / "model.safetensors").exists() else {}
+    got = got or {k: v for f in sorted(dest.glob("model-*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert set(got) == set(before) and all(torch.equal(got[k], before[k]) for k in before)
+    assert not client.host_staging.busy  # the lease is handed back after the write
+
+
+def test_a_failing_background_write_is_that_steps_export_failed_with_nothing_left(tmp_path, make_client):
+    client = make_client()
+    bad = Gated(StateDictExport(_model()), fail=OSError(28, "No space left on device"))
+    bad.release.set()
+    assert client.dispatch(3, export=bad).action == "exporting"  # never raised into the loop
+    assert client.wait_exports(WAIT_S)
+    assert not (tmp_path / "staging" / "exp42" / "step_00000003").exists()  # partial output removed
+    ok = client.dispatch(4, export=StateDictExport(_model()))
+    assert ok.action == "exporting" and client.wait_exports(WAIT_S)
+    entries = Spool(tmp_path / "spool" / "exp42").pending()
+    assert [(e.kind, e.step) for e in entries] == [("skip_record", 3), ("event", 4)]
+    assert entries[0].body["state"]["message"] == (
+        "export_failed: step 3: in-loop export (background write): OSError(28, 'No space left on device')"
+    )
+
+
+def test_an_export_during_a_write_is_skipped_under_skip_without_allocating(tmp_path, make_client):
+    pool = Recording()
+    client = make_client(policy="skip", host_staging=pool)
+    first = Gated(StateDictExport(_model()))
+    assert client.dispatch(3, export=first).action == "exporting"
+    assert first.entered.wait(WAIT_S)
+    second = StateDictExport(_model())
+    busy = client.dispatch(5, export=second)
+    assert (busy.action, busy.reason) == ("skipped_export_busy", "the previous in-loop snapshot is still being written")
+    assert [c for c in pool.calls if c[0] == "alloc"] == [("alloc", 256)]  # 4 tensors, each 64-byte aligned: one buffer
+    first.release.set()
+    assert client.wait_exports(WAIT_S)
+    entries = Spool(tmp_path / "spool" / "exp42").pending()
+    assert [(e.kind, e.step) for e in entries] == [("skip_record", 5), ("event", 3)]
+    assert entries[0].body["state"]["message"] == (
+        "export_busy: step 5: the previous in-loop snapshot is still being written"
+    )
+
+
+def test_an_export_during_a_write_waits_under_backpressure_then_reuses_the_buffer(tmp_path, make_client):
+    pool = Recording()
+    client = make_client(policy="backpressure", host_staging=pool)
+    first = Gated(StateDictExport(_model()))
+    assert client.dispatch(3, export=first).action == "exporting"
+    assert first.entered.wait(WAIT_S)
+    second = Gated(StateDictExport(_model()))
+    second.release.set()
+    waiting = threading.Event()
+    acquire = pool.acquire
+
+    def noting_acquire(*, wait: bool, timeout: float | None = None) -> bool:
+        waiting.set()
+        return acquire(wait=wait, timeout=timeout)
+
+    pool.acquire = noting_acquire  # type: ignore[method-assign]
+    results: list[Any] = []
+    t = threading.Thread(target=lambda: results.append(client.dispatch(5, export=second)))
+    t.start()
+    assert waiting.wait(WAIT_S)  # the second dispatch is at the lease
+    first.log.append("released")
+    first.release.set()
+    t.join(WAIT_S)
+    assert [r.action for r in results] == ["exporting"]
+    assert client.wait_exports(WAIT_S)
+    assert first.log == ["stage 3", "released", "written 3"] and second.log == ["stage 5", "written 5"]
+    assert _entries(tmp_path) == [("event", 3), ("event", 5)]
+    assert pool.allocations == 1 and [c[0] for c in pool.calls].count("alloc") == 1
+
+
+def test_staging_buffers_are_allocated_once_and_reused_for_every_export(tmp_path, make_client):
+    pool = Recording()
+    client = make_client(host_staging=pool)
+    model = _model()
+    for step in (1, 2, 3, 4):
+        assert client.dispatch(step, export=StateDictExport(model)).action == "exporting"
+        assert client.wait_exports(WAIT_S)
+    assert pool.allocations == 1 and pool.capacity_bytes == 256
+    kinds = [c[0] for c in pool.calls]
+    assert kinds == ["acquire", "alloc", *(["copy"] * 4), "sync"] + (["acquire", *(["copy"] * 4), "sync"]) * 3
+    assert _entries(tmp_path) == [("event", s) for s in (1, 2, 3, 4)]
+
+
+def test_host_staging_bounds_memory_to_the_largest_snapshot_and_needs_its_lease():
+    pool = HostStaging(pinned=False)
+    with pytest.raises(StagingBusyError, match="lease is not held"):
+        pool.stage([("w", torch.ones(2))])
+    assert pool.acquire(wait=False)
+    assert not pool.acquire(wait=False)  # held: a second export never gets a second buffer
+    small = pool.stage([("w", torch.ones(2, 3))], {"w": torch.bfloat16})
+    assert small["w"].dtype == torch.bfloat16 and torch.equal(small["w"], torch.ones(2, 3, dtype=torch.bfloat16))
+    assert (pool.allocations, pool.capacity_bytes) == (1, 64)
+    pool.stage([("a", torch.ones(40)), ("b", torch.zeros(3))])  # 160 + 12 bytes -> 192 + 64
+    assert (pool.allocations, pool.capacity_bytes) == (2, 256)
+    pool.stage([("w", torch.ones(2, 3))])
+    assert (pool.allocations, pool.capacity_bytes) == (2, 256)  # smaller again: reused
+    pool.release()
+    assert not pool.busy
+
+
+def test_a_user_callable_keeps_the_synchronous_contract(tmp_path, make_client):
+    client = make_client()
+    seen: list[bool] = []
+
+    def export(step: int, dest: str) -> None:
+        StagedTensors({"w": torch.ones(2)}, None, 1 << 20).write(dest)
+        seen.append(True)
+
+    result = client.dispatch(2, export=export)
+    assert (result.action, seen, _entries(tmp_path)) == ("requested", [True], [("event", 2)])
+
+
+def test_lora_two_phase_export_is_a_complete_adapter_dispatched_as_lora(tmp_path, make_client):
+    from engine.tiny_model import make_tiny_adapter, make_tiny_model
+    from safetensors import safe_open
+
+    base = make_tiny_model(tmp_path / "base")
+    adapter = make_tiny_adapter(base, tmp_path / "adapter")
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    import json
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    client = make_client(lora_base=base)
+    assert client.dispatch(7, export=LoraExport(tensors, config)).action == "exporting"
+    assert client.wait_exports(WAIT_S)
+    [entry] = Spool(tmp_path / "spool" / "exp42").pending()
+    source = SnapshotSource.model_validate(entry.body["payload"]["source"])
+    assert (source.kind, source.hf_base) == ("lora", str(base))
+    assert check_snapshot(source.path).complete
+    got = load_file(str(Path(source.path) / "adapter_model.safetensors"))
+    assert set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
