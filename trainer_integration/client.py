@@ -225,11 +225,21 @@ class EvalClient(PointOutcomes):
         posture: Posture = Posture.FLEET,
     ) -> DispatchResult:
         t0 = time.monotonic()
-        if step < 0:
-            raise ValueError(f"step: must be >= 0, got {step}")
-        if not self.due(step, final=final):
-            return DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
-        return self._dispatch_safe(step, source, final, export, posture, t0)
+        try:
+            if step < 0:
+                raise ValueError(f"step: must be >= 0, got {step}")
+            if not self.due(step, final=final):
+                result = DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
+            else:
+                result = self._dispatch_safe(step, source, final, export, posture, t0)
+        except BaseException:
+            result = None
+            raise
+        finally:  # a collective's staged buffer not handed to the background writer is handed back
+            discard = getattr(export, "discard", None)
+            if discard is not None and (result is None or result.action != "exporting"):
+                discard()
+        return result
 
     def _dispatch_safe(
         self,
@@ -336,6 +346,13 @@ class EvalClient(PointOutcomes):
                 return DispatchResult(
                     action="skipped_export_failed", reason=why, stall_seconds=time.monotonic() - t0, **common
                 )
+        elif getattr(export, "skipped", None) or not getattr(export, "ok", True):  # a collective that staged nothing
+            reason = "export_busy" if getattr(export, "skipped", None) else "export_failed"
+            why = ("the previous in-loop snapshot is still being written" if reason == "export_busy"
+                   else f"in-loop export: {getattr(export, 'error', None)}"[:500])  # fmt: skip
+            self._record_skip(step, None, final, posture, reason, why)
+            return DispatchResult(action=f"skipped_{reason}", reason=why,  # type: ignore[arg-type]
+                                  stall_seconds=time.monotonic() - t0, **common)  # fmt: skip
         else:  # staged by a collective on this rank, which holds the buffer's lease
             staged = export
         stage_time = time.monotonic() - e0

@@ -136,9 +136,17 @@ class HostStaging:
         dtypes = dtypes or {}
         dst = self.views([(n, tuple(t.shape), dtypes.get(n, t.dtype)) for n, t in items])
         for name, t in items:
-            self._copy(dst[name], t)
-        self._sync()
+            self.copy(dst[name], t)
+        self.synchronize()
         return dst
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Start one copy into a view of the buffer (asynchronous with CUDA: `synchronize` ends it)."""
+        self._copy(dst, src)
+
+    def synchronize(self) -> None:
+        """Wait until every copy started so far has landed in the buffer."""
+        self._sync()
 
     # ---- defaults: pinned + non_blocking with CUDA, plain copies without ----------------------
 
