@@ -52,7 +52,7 @@ class StagedTensors:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def write(self, dest: str, storage_options: dict[str, Any] | None = None) -> WriteResult:
-        plan = [TensorSpec.of(n, t) for n, t in self.tensors.items()]
+        plan = [TensorSpec.of(n, self.tensors[n]) for n in self.tensors]
         return write_snapshot(
             self.tensors.items(), dest, plan=plan, base_hf_dir=self.base_hf_dir,
             max_shard_bytes=self.max_shard_bytes, storage_options=storage_options, metadata=self.metadata,

@@ -266,3 +266,56 @@ def test_lora_two_phase_export_is_a_complete_adapter_dispatched_as_lora(tmp_path
     assert check_snapshot(source.path).complete
     got = load_file(str(Path(source.path) / "adapter_model.safetensors"))
     assert set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+_CRASH_CHILD = """
+import sys
+from pathlib import Path
+import torch
+from pinned_eval.snapshot.host_staging import HostStaging
+from pinned_eval.snapshot.two_phase import StateDictExport
+
+dest, mid = sys.argv[1], Path(sys.argv[2])
+pool = HostStaging(pinned=False)
+pool.acquire(wait=False)
+staged = StateDictExport({f"w{i}": torch.full((64,), float(i)) for i in range(4)}, max_shard_bytes=256).stage(1, pool)
+
+class Stalling(dict):
+    def items(self):  # two shards' tensors, then the write stops mid-snapshot until it is killed
+        for i, (name, t) in enumerate(dict.items(self)):
+            if i == 2:
+                mid.write_text("mid-write")
+                sys.stdin.read()
+            yield name, t
+
+object.__setattr__(staged, "tensors", Stalling(staged.tensors))
+staged.write(dest)
+"""
+
+
+def test_a_crash_mid_write_leaves_no_snapshot_that_checks_complete(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from pinned_eval.polling import poll_until
+
+    dest, mid = tmp_path / "step_00000001", tmp_path / "mid"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen([sys.executable, "-c", _CRASH_CHILD, str(dest), str(mid)], stdin=subprocess.PIPE, env=env)
+    try:
+        poll_until(lambda: mid.exists() or child.poll() is not None or None, timeout_s=WAIT_S, what="mid-write")
+        assert child.poll() is None, "the writer ended before it was killed"
+        assert sorted(p.name for p in dest.iterdir()) == [  # two of four shards written
+            "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+        ]
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(WAIT_S) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(WAIT_S)
+    assert not (dest / MARKER).exists()
+    check = check_snapshot(str(dest))
+    assert (check.complete, check.problem) == (False, "missing_index")
