@@ -318,4 +318,4 @@ def test_a_crash_mid_write_leaves_no_snapshot_that_checks_complete(tmp_path: Pat
             child.wait(WAIT_S)
     assert not (dest / MARKER).exists()
     check = check_snapshot(str(dest))
-    assert (check.complete, check.problem) == (False, "missing_index")
+    assert (check.complete, check.problem) == (False, "missing_marker")
