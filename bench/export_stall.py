@@ -92,7 +92,8 @@ def measure(sd: dict[str, torch.Tensor], work: Path, rounds: int) -> dict[str, d
                 shutil.rmtree(staging / "bench-stall", ignore_errors=True)  # bounded disk: one snapshot
         for name, s in stats.items():
             out[name] = {
-                "n": len(s["stall"]), "stall": statistics.median(s["stall"]), "complete": statistics.median(s["complete"]),
+                "n": len(s["stall"]), "stall": statistics.median(s["stall"]),
+                "complete": statistics.median(s["complete"]),
                 "stall_min": min(s["stall"]), "stall_max": max(s["stall"]), "rss": max(s["rss"]),
                 "staging": client.host_staging.capacity_bytes if name == "two-phase" else 0,
                 "allocations": client.host_staging.allocations if name == "two-phase" else 0,

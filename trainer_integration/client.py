@@ -225,21 +225,19 @@ class EvalClient(PointOutcomes):
         posture: Posture = Posture.FLEET,
     ) -> DispatchResult:
         t0 = time.monotonic()
+        handed_on = False
         try:
             if step < 0:
                 raise ValueError(f"step: must be >= 0, got {step}")
             if not self.due(step, final=final):
-                result = DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
-            else:
-                result = self._dispatch_safe(step, source, final, export, posture, t0)
-        except BaseException:
-            result = None
-            raise
+                return DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
+            result = self._dispatch_safe(step, source, final, export, posture, t0)
+            handed_on = result.action == "exporting"
+            return result
         finally:  # a collective's staged buffer not handed to the background writer is handed back
             discard = getattr(export, "discard", None)
-            if discard is not None and (result is None or result.action != "exporting"):
+            if discard is not None and not handed_on:
                 discard()
-        return result
 
     def _dispatch_safe(
         self,

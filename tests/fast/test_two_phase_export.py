@@ -133,8 +133,7 @@ def test_dispatch_returns_before_the_blocked_write_and_requests_only_after_the_m
     [entry] = Spool(tmp_path / "spool" / "exp42").pending()
     assert SnapshotSource.model_validate(entry.body["payload"]["source"]).path == str(dest)
     assert check_snapshot(str(dest)).complete
-    got = load_file(str(dest / "model.safetensors")) if (dest / "model.safetensors").exists() else {}
-    got = got or {k: v for f in sorted(dest.glob("model-*.safetensors")) for k, v in load_file(str(f)).items()}
+    got = {k: v for f in sorted(dest.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     assert set(got) == set(before) and all(torch.equal(got[k], before[k]) for k in before)
     assert not client.host_staging.busy  # the lease is handed back after the write
 
@@ -247,8 +246,9 @@ def test_a_user_callable_keeps_the_synchronous_contract(tmp_path, make_client):
 
 
 def test_lora_two_phase_export_is_a_complete_adapter_dispatched_as_lora(tmp_path, make_client):
-    from engine.tiny_model import make_tiny_adapter, make_tiny_model
     from safetensors import safe_open
+
+    from engine.tiny_model import make_tiny_adapter, make_tiny_model
 
     base = make_tiny_model(tmp_path / "base")
     adapter = make_tiny_adapter(base, tmp_path / "adapter")
@@ -319,3 +319,28 @@ def test_a_crash_mid_write_leaves_no_snapshot_that_checks_complete(tmp_path: Pat
     assert not (dest / MARKER).exists()
     check = check_snapshot(str(dest))
     assert (check.complete, check.problem) == (False, "missing_marker")
+
+
+def test_a_collectives_staged_snapshot_is_written_by_the_client_or_its_buffer_handed_back(tmp_path, make_client):
+    from pinned_eval.snapshot.collective_staged import StagedCollective
+
+    client = make_client(eval_interval=2)
+    pool = client.host_staging
+
+    def staged() -> StagedCollective:  # what collective_stage returns on rank 0 (lease held)
+        assert pool.acquire(wait=False)
+        views = pool.stage([("w", torch.arange(4.0))])
+        return StagedCollective(ok=True, rank=0, tensors=views, pool=pool)
+
+    assert client.dispatch(2, export=staged()).action == "not_due"  # (2 + 1) % 2 != 0
+    assert not pool.busy  # handed back, never leaked
+    assert client.dispatch(3, export=staged()).action == "exporting"
+    assert client.wait_exports(WAIT_S) and not pool.busy
+    busy = client.dispatch(5, export=StagedCollective(ok=False, rank=0, skipped="export_busy"))
+    failed = client.dispatch(7, export=StagedCollective(ok=False, rank=0, error="rank 0 failed: OSError: disk"))
+    assert (busy.action, failed.action) == ("skipped_export_busy", "skipped_export_failed")
+    entries = Spool(tmp_path / "spool" / "exp42").pending()
+    assert [(e.kind, e.step) for e in entries] == [("event", 3), ("skip_record", 5), ("skip_record", 7)]
+    assert entries[2].body["state"]["message"] == "export_failed: step 7: in-loop export: rank 0 failed: OSError: disk"
+    [shard] = (tmp_path / "staging" / "exp42" / "step_00000003").glob("*.safetensors")
+    assert torch.equal(load_file(str(shard))["w"], torch.arange(4.0))
