@@ -62,7 +62,7 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from pinned_eval.events import BlockNames
-from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, run_key
+from pinned_eval.points import PointRequest, Posture, SnapshotSource, run_key
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.snapshot.confined import UnsafeStagingRootError
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
@@ -81,6 +81,7 @@ from trainer_integration.progress import ProgressPublisher
 from trainer_integration.rest import ApiUnavailableError, PrefectRest, api_client
 from trainer_integration.results import DispatchResult, PointOutcome
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry, SpoolWriteError
+from trainer_integration.two_phase_dispatch import TwoPhaseDispatch
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class GateLike(Protocol):
     def closed(self, reason: str = "") -> AbstractAsyncContextManager[object]: ...
 
 
-class EvalClient(PointOutcomes):
+class EvalClient(TwoPhaseDispatch, PointOutcomes):
     def __init__(
         self,
         run: str,
@@ -313,68 +314,6 @@ class EvalClient(PointOutcomes):
         return DispatchResult(
             action="requested", export_time_seconds=export_time, stall_seconds=time.monotonic() - t0, **common
         )
-
-    def _staged_source(self, dest: str) -> SnapshotSource:
-        if self.lora_base is not None:
-            return SnapshotSource(kind=SourceKind.LORA, path=dest, hf_base=self.lora_base)
-        return SnapshotSource(kind=SourceKind.STAGED, path=dest)
-
-    def _two_phase(
-        self, step: int, export: TwoPhaseExport | Staged, dest: str, final: bool, posture: Posture,
-        common: dict[str, Any], t0: float,
-    ) -> DispatchResult:
-        """Stage now (the loop's stall), write in the background, request after the marker."""
-        e0 = time.monotonic()
-        if isinstance(export, TwoPhaseExport):
-            wait = self.policy == "backpressure" or final
-            if not self.host_staging.acquire(wait=wait):
-                why = "the previous in-loop snapshot is still being written"
-                self._record_skip(step, None, final, posture, "export_busy", why)
-                return DispatchResult(action="skipped_export_busy", reason=why,
-                                      stall_seconds=time.monotonic() - t0, **common)  # fmt: skip
-            common["waited_seconds"] += time.monotonic() - e0
-            e0 = time.monotonic()
-            try:
-                staged = export.stage(step, self.host_staging)
-            except Exception as exc:  # as for a plain exporter: this point's skip, never raised
-                self.host_staging.release()
-                log.exception("pinned-eval: in-loop export of %s step %d failed while staging", self.run, step)
-                why = f"in-loop export: {exc!r}"[:500]
-                self._record_skip(step, None, final, posture, "export_failed", why)
-                return DispatchResult(
-                    action="skipped_export_failed", reason=why, stall_seconds=time.monotonic() - t0, **common
-                )
-        elif getattr(export, "skipped", None) or not getattr(export, "ok", True):  # a collective that staged nothing
-            reason = "export_busy" if getattr(export, "skipped", None) else "export_failed"
-            why = ("the previous in-loop snapshot is still being written" if reason == "export_busy"
-                   else f"in-loop export: {getattr(export, 'error', None)}"[:500])  # fmt: skip
-            self._record_skip(step, None, final, posture, reason, why)
-            return DispatchResult(action=f"skipped_{reason}", reason=why,  # type: ignore[arg-type]
-                                  stall_seconds=time.monotonic() - t0, **common)  # fmt: skip
-        else:  # staged by a collective on this rank, which holds the buffer's lease
-            staged = export
-        stage_time = time.monotonic() - e0
-
-        def written(seconds: float) -> None:
-            request = self._request(step, self._staged_source(dest), final, posture, stage_time + seconds)
-            self._enqueue(event_entry(request, self.blocks))
-            self.admission.sent(request)
-
-        def failed(why: str) -> None:
-            self._record_skip(step, None, final, posture, "export_failed", why)
-
-        staging = self._staging
-        self._writes.start(
-            step, staged, dest, storage_options=lambda: self.storage_options, delete=staging.delete,
-            on_written=written, on_failed=failed, started=e0,
-        )  # fmt: skip
-        return DispatchResult(
-            action="exporting", export_time_seconds=stage_time, stall_seconds=time.monotonic() - t0, **common
-        )
-
-    def wait_exports(self, timeout: float | None = None) -> bool:
-        """Block until no two-phase export is being written (its request or skip is spooled)."""
-        return self._writes.wait(timeout)
 
     def drain(self, timeout: float) -> list[PointOutcome]:
         """Finish the background writes, then `PointOutcomes.drain` with the time left."""

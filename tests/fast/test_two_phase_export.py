@@ -344,3 +344,26 @@ def test_a_collectives_staged_snapshot_is_written_by_the_client_or_its_buffer_ha
     assert entries[2].body["state"]["message"] == "export_failed: step 7: in-loop export: rank 0 failed: OSError: disk"
     [shard] = (tmp_path / "staging" / "exp42" / "step_00000003").glob("*.safetensors")
     assert torch.equal(load_file(str(shard))["w"], torch.arange(4.0))
+
+
+def test_close_finishes_the_background_write_and_spools_its_request(tmp_path):
+    client = EvalClient("exp42", f"http://127.0.0.1:{free_port()}/api", startup_sync_s=0,
+                        spool_dir=tmp_path / "spool", staging_root=tmp_path / "staging")  # fmt: skip
+    exporter = Gated(StateDictExport(_model()))
+    assert client.dispatch(3, export=exporter).action == "exporting"
+    waiting = threading.Event()
+    wait = client._writes.wait
+
+    def noting_wait(timeout: float | None = None) -> bool:
+        exporter.log.append("close waits")
+        waiting.set()
+        return wait(timeout)
+
+    client._writes.wait = noting_wait  # type: ignore[method-assign]
+    closer = threading.Thread(target=lambda: (client.close(), exporter.log.append("closed")))
+    closer.start()
+    assert waiting.wait(WAIT_S)
+    exporter.release.set()
+    closer.join(WAIT_S)
+    assert exporter.log == ["stage 3", "close waits", "written 3", "closed"]
+    assert _entries(tmp_path) == [("event", 3)]
