@@ -13,6 +13,8 @@ Contract of `HostStaging` (one per `EvalClient`, or per writer rank of a collect
 - a lease guards the buffer: `acquire(wait=...)` takes it (False when busy and not waiting),
   `release()` hands it back once the background write of what was staged is over; `stage`
   needs the lease, so a second export while one is being written never allocates;
+- `reserve(nbytes)` allocates ahead, in a background thread under the lease (off the loop's
+  critical path: the first export then only copies);
 - `alloc(nbytes)`, `copy(dst, src)` and `synchronize()` can be injected (tests record them).
 
 Two-phase exporters (`TwoPhaseExport`) stage a step's tensors into the buffer (`stage(step,
@@ -106,6 +108,25 @@ class HostStaging:
     def capacity_bytes(self) -> int:
         """Bytes of host memory held for staging (0 before the first export)."""
         return 0 if self._buffer is None else int(self._buffer.numel())
+
+    def reserve(self, nbytes: int) -> threading.Thread:
+        """Allocate `nbytes` of buffer in a background thread (holding the lease meanwhile), so
+        the first export does not pay for it on the loop's thread (pinning 8.8 GB took 5.6 s on an
+        H200 host); an export that comes earlier follows its policy as for a write in progress."""
+
+        def allocate() -> None:
+            self.acquire(wait=True)
+            try:
+                if self._buffer is None or self._buffer.numel() < nbytes:
+                    self._buffer = None
+                    self._buffer = self._alloc(max(nbytes, 1))
+                    self.allocations += 1
+            finally:
+                self.release()
+
+        thread = threading.Thread(target=allocate, name="pinned-eval-staging-alloc", daemon=True)
+        thread.start()
+        return thread
 
     # ---- phase 1 -----------------------------------------------------------------------------
 

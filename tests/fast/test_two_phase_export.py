@@ -367,3 +367,13 @@ def test_close_finishes_the_background_write_and_spools_its_request(tmp_path):
     closer.join(WAIT_S)
     assert exporter.log == ["stage 3", "close waits", "written 3", "closed"]
     assert _entries(tmp_path) == [("event", 3)]
+
+
+def test_reserve_allocates_ahead_so_the_first_export_only_copies():
+    pool = Recording()
+    pool.reserve(256).join(WAIT_S)
+    assert (pool.allocations, pool.capacity_bytes, pool.busy) == (1, 256, False)
+    assert pool.acquire(wait=False)
+    pool.stage(_model().state_dict().items())
+    assert [c[0] for c in pool.calls] == ["acquire", "alloc", "acquire", "copy", "copy", "copy", "copy", "sync"]
+    assert pool.allocations == 1
