@@ -267,6 +267,19 @@ def test_lora_two_phase_export_is_a_complete_adapter_dispatched_as_lora(tmp_path
     got = load_file(str(Path(source.path) / "adapter_model.safetensors"))
     assert set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
 
+    # the same adapter read from a live PEFT model: same tensors, same rank, a complete snapshot
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(adapter))
+    assert client.dispatch(8, export=LoraExport.from_peft(peft_model)).action == "exporting"
+    assert client.wait_exports(WAIT_S)
+    dest = tmp_path / "staging" / "exp42" / "step_00000008"
+    assert check_snapshot(str(dest)).complete
+    from_peft = load_file(str(dest / "adapter_model.safetensors"))
+    assert set(from_peft) == set(tensors) and all(torch.equal(from_peft[k], tensors[k]) for k in tensors)
+    assert json.loads((dest / "adapter_config.json").read_text())["r"] == config["r"]
+
 
 _CRASH_CHILD = """
 import sys
@@ -377,3 +390,21 @@ def test_reserve_allocates_ahead_so_the_first_export_only_copies():
     pool.stage(_model().state_dict().items())
     assert [c[0] for c in pool.calls] == ["acquire", "alloc", "acquire", "copy", "copy", "copy", "copy", "sync"]
     assert pool.allocations == 1
+
+
+def test_state_dict_export_casts_while_staging_so_the_buffer_is_the_written_size(tmp_path):
+    pool = HostStaging(pinned=False)
+    assert pool.acquire(wait=False)
+    model = _model()
+    model.register_buffer("count", torch.tensor([7], dtype=torch.int64))  # not floating: kept as is
+    staged = StateDictExport(model, dtype=torch.bfloat16, metadata=lambda step: {"at": step * 10}).stage(4, pool)
+    assert {k: v.dtype for k, v in staged.tensors.items()} == {
+        "0.weight": torch.bfloat16, "0.bias": torch.bfloat16, "1.weight": torch.bfloat16, "1.bias": torch.bfloat16,
+        "count": torch.int64,
+    }  # fmt: skip
+    assert pool.capacity_bytes == 5 * 64  # every tensor fits one 64-byte slot in bf16
+    staged.write(str(tmp_path / "snap"))
+    [shard] = (tmp_path / "snap").glob("*.safetensors")
+    got = load_file(str(shard))
+    assert torch.equal(got["0.weight"], model.state_dict()["0.weight"].to(torch.bfloat16))
+    assert staged.metadata == {"at": 40, "step": 4}
