@@ -57,7 +57,7 @@ def spec_errors(exc: ValidationError) -> SpecError:
 
 
 def validate_name(name: str) -> str:
-    if not BLOCK_NAME.match(name):
+    if not BLOCK_NAME.fullmatch(name):
         raise SpecError("name", f"{name!r} is not a block name: lowercase letters, digits and dashes, "
                                 "starting with a letter or digit (e.g. default, exp42)")  # fmt: skip
     return name
@@ -202,7 +202,7 @@ class FleetSpec(_Spec):
             raise SpecError("attach", "give --attach ENGINE_URL (repeatable, with --router URL) for running "
                                       "engines, or --launch for a fleet `pinned-eval fleet up` starts")  # fmt: skip
         lock = self.lock or name
-        if not BLOCK_NAME.match(lock):
+        if not BLOCK_NAME.fullmatch(lock):
             raise SpecError("lock", f"{lock!r}: lowercase letters, digits and dashes (it names the pin lock "
                                     "fleet-<lock>)")  # fmt: skip
         common: dict[str, Any] = {

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pinned_eval.scoring.rewards import MILES_DIVERGENCES, check_reward_name
+from pinned_eval.yaml_files import parse_yaml, read_config_file, shown_key
 
 # miles key -> pinned-eval field (identity keys included so our own names are accepted too)
 MILES_KEYS = {
@@ -115,7 +115,7 @@ def parse_miles_eval_config(
     if "eval" in root:
         extra = sorted(str(k) for k in root if k != "eval")
         if extra:
-            raise ValueError(f"{extra[0]}: not supported next to 'eval' (an eval config holds only 'eval:')")
+            raise ValueError(f"{shown_key(extra[0])}: not supported next to 'eval' (an eval config holds only 'eval:')")
         cfg, where = root["eval"], "eval"
     else:
         cfg, where = root, "eval"
@@ -123,7 +123,7 @@ def parse_miles_eval_config(
         raise ValueError(f"{where}: must be a mapping")
     unknown = [str(k) for k in cfg if k not in _EVAL_KEYS]
     if unknown:
-        raise ValueError(f"{where}.{unknown[0]}: not supported (an eval config has {list(_EVAL_KEYS)})")
+        raise ValueError(f"{where}.{shown_key(unknown[0])}: not supported (an eval config has {list(_EVAL_KEYS)})")
     _refuse_delegate(f"{where}.delegate", cfg.get("delegate"))
     raw_defaults = cfg.get("defaults") or {}
     if not isinstance(raw_defaults, dict):
@@ -139,15 +139,10 @@ def parse_miles_eval_config(
 
 
 def load_yaml(text: str, name: str) -> Any:
-    """`yaml.safe_load(text)`; a syntax error raises a ValueError that starts with `name` (e.g. the
-    file) and gives the line and column, never PyYAML's `<unicode string>`."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise ValueError(f"{name}: not valid YAML{at}: {problem}") from exc
+    """`pinned_eval.yaml_files.parse_yaml`: safe YAML, bounded nesting, duplicate keys refused; a
+    syntax error raises a ValueError that starts with `name` (e.g. the file) and gives the line and
+    column, never PyYAML's `<unicode string>`."""
+    return parse_yaml(text, name)
 
 
 def resolve_interpolations(root: dict[str, Any], variables: Mapping[str, str]) -> dict[str, Any]:
@@ -222,26 +217,33 @@ def _refuse_delegate(where: str, delegate: Any) -> None:
     )
 
 
-def _decode(data: bytes, name: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise ValueError(f"eval config {name}: not UTF-8 (line {line}, byte {exc.start}: {exc.reason})") from exc
-
-
 def _read_source(source: str | Path) -> tuple[str, str | None, str]:
-    """(text, directory of the file or None, a name for messages)."""
+    """(text, directory of the file or None, a name for messages); files through the one reader
+    (`pinned_eval.yaml_files.read_config_file`: regular files only, bounded size, UTF-8)."""
     if isinstance(source, Path):
-        return _decode(source.read_bytes(), str(source)), str(source.absolute().parent), str(source)
+        return read_config_file(source, f"eval config {source}"), str(source.absolute().parent), str(source)
     if source.startswith("base64:"):
-        return _decode(base64.b64decode(source.removeprefix("base64:")), "base64:..."), None, "base64:..."
+        data = base64.b64decode(source.removeprefix("base64:"))
+        try:
+            return data.decode("utf-8"), None, "base64:..."
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            why = f"line {line}, byte {exc.start}: {exc.reason}"
+            raise ValueError(f"eval config base64:...: not UTF-8 ({why})") from exc
     path = Path(source).expanduser()
-    if "\n" not in source and (source.endswith((".yaml", ".yml", ".json")) or path.is_file()):
-        if not path.is_file():
+    if "\n" not in source and (source.endswith((".yaml", ".yml", ".json")) or _names_a_file(path)):
+        if not _names_a_file(path):
             raise FileNotFoundError(f"eval config file not found: {path}")
-        return _decode(path.read_bytes(), str(path)), str(path.absolute().parent), str(path)
+        return read_config_file(path, f"eval config {path}"), str(path.absolute().parent), str(path)
     return source, None, "(text)"
+
+
+def _names_a_file(path: Path) -> bool:
+    """Something other than a directory exists at `path` (a FIFO too: the reader refuses it)."""
+    try:
+        return path.exists() and not path.is_dir()
+    except (OSError, ValueError):  # a name too long, a NUL: YAML text, not a path
+        return False
 
 
 def _dataset_entries(where: str, cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -1,8 +1,10 @@
 """Results tasks: the generation cache around the fleet, and the point's samples file.
 
 Contract:
-- `cached_generations` returns the generations stored for (run, step) when they were written under
-  the same cache key (`pinned_eval.results.cache.generation_key`), else None; a point that gets
+- `cached_generations` returns the generations stored for (run, step) when they were written for
+  that point (`ResultsStore.read`) under the same cache key (`pinned_eval.results.cache.generation_key`),
+  else None (a file of another point, or one under a directory another user controls, is logged
+  and generated anew, never used); a point that gets
   them skips pin and generate (no fleet lock, no request) and only scores and logs;
 - `store_generations` writes them right after generation, before scoring, so a point whose
   scoring or logging fails leaves them for its rerun; a failure to write is logged (WARNING) and
@@ -21,8 +23,9 @@ from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 
 from pinned_eval.points import history_artifact_key
-from pinned_eval.results.store import GENERATIONS, SAMPLES, ResultsStore
+from pinned_eval.results.store import GENERATIONS, SAMPLES, ResultsKeyError, ResultsStore
 from pinned_eval.results.tables import generation_fields, generation_row, generations_table, samples_table, table_key
+from pinned_eval.trusted_paths import UntrustedPathError
 from tasks.generate import Generation
 
 
@@ -35,7 +38,11 @@ def samples_link_key(run: str, step: int) -> str:
 def cached_generations(store: ResultsStore, run: str, step: int, key: str) -> list[Generation] | None:
     if not store.exists(run, step, GENERATIONS):
         return None
-    table = store.read(run, step, GENERATIONS)
+    try:
+        table = store.read(run, step, GENERATIONS)
+    except (ResultsKeyError, UntrustedPathError) as exc:
+        get_run_logger().warning("stored generations of %s/step-%d refused (generating anew): %s", run, step, exc)
+        return None
     if table_key(table) != key:
         get_run_logger().info("stored generations of %s/step-%d have another key; generating anew", run, step)
         return None

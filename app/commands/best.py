@@ -30,7 +30,7 @@ def best(
     """The best measured step of RUN by METRIC (the checkpoint to keep or resume from)."""
     from app.history import read_history  # prefect: slow import; `pinned-eval --help` stays fast
 
-    match = _METRIC.match(metric)
+    match = _METRIC.fullmatch(metric)
     if match is None:
         fail(f"--metric: {metric!r} must be eval/<dataset>", 2)
     dataset = match["ds"]

@@ -108,23 +108,14 @@ def init(
 
 def load_project_config(path: Path) -> dict[str, dict[str, Any]]:
     """The sections of a project config (see the module docstring); ValueError names file and key."""
-    from pinned_eval.miles_config import load_yaml  # imports the rewards (sympy): `--help` stays fast
+    from pinned_eval.yaml_files import load_yaml_file, shown_key
 
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror}") from exc
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise ValueError(f"{path}: not UTF-8 (line {line})") from exc
-    root = load_yaml(text, str(path))
+    root = load_yaml_file(path)  # regular files only, bounded size and nesting, duplicate keys refused
     if not isinstance(root, dict):
         raise ValueError(f"{path}: expected sections {', '.join(KINDS)} (a mapping), got {type(root).__name__}")
-    unknown = [str(k) for k in root if k not in KINDS]
+    unknown = [k for k in root if k not in KINDS]
     if unknown:
-        raise ValueError(f"{path}: {unknown[0]}: not a section (sections: {', '.join(KINDS)})")
+        raise ValueError(f"{path}: {shown_key(unknown[0])}: not a section (sections: {', '.join(KINDS)})")
     out: dict[str, dict[str, Any]] = {}
     for kind, fields in root.items():
         if fields is None:

@@ -57,7 +57,7 @@ def compare(
         store = _store(load_block(SinksBlock, sinks))
     try:
         a, b = store.read(run, step_a, SAMPLES), store.read(run, step_b, SAMPLES)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # absent, another point's, or not this user's alone
         fail(str(exc))
     flips = compare_samples(a, b, threshold)
     if as_json:
@@ -95,7 +95,7 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
     store = _store(sinks)
     try:
         table = store.read(run, step, GENERATIONS)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # absent, another point's, or not this user's alone
         fail(str(exc))
     gens = [Generation(**generation_fields(r)) for r in table.to_pylist()]
     stored = {g.dataset for g in gens}

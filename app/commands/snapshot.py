@@ -6,6 +6,11 @@ the bare `.complete` marker (an empty file, as miles writes; the check then judg
 any shard or the index is modified after it). `tiny-model` writes the engine's tiny model and
 marks it the same way, so a point can use it as an `hf` source.
 
+`tiny-model --out` and a local `export --out` write only a new directory (created 0700 below
+trusted directories, `pinned_eval.trusted_paths.claim_new_dir`), an empty one of this user, or
+their own earlier output; anything else (an empty value, `/`, `/etc`, a symlink, `/proc/self`)
+is refused in one line, exit 2, before anything is written.
+
 Exit codes: 0 success (check: the snapshot is complete; mark: it is marked or already was);
 1 the snapshot is incomplete or the export failed (reason on stderr); 2 bad usage. S3
 credentials come from the standard AWS environment variables (botocore reads them);
@@ -25,8 +30,9 @@ from typing import Annotated, Any
 import typer
 
 from pinned_eval.snapshot.check import SnapshotCheck, SnapshotProblem, check_snapshot
-from pinned_eval.snapshot.layout import MARKER
+from pinned_eval.snapshot.layout import MARKER, Manifest
 from pinned_eval.snapshot.staging import Staging
+from pinned_eval.trusted_paths import UntrustedPathError, claim_new_dir
 
 app = typer.Typer(help="Check and list HF snapshots (local or s3://).", no_args_is_help=True)
 
@@ -109,6 +115,31 @@ def mark(
     typer.echo(f"{result.path}: {'marked' if written else 'already marked'} {result.detail}")
 
 
+_TINY_MODEL_FILES = re.compile(
+    r"(\.complete|config\.json|generation_config\.json|chat_template\.jinja|tokenizer(_config)?\.json"
+    r"|special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)"
+)
+
+
+def _is_tiny_model_output(path: str) -> bool:
+    """Only the files `tiny-model` writes, all regular: an earlier tiny model, rewritten in place."""
+    with os.scandir(path) as entries:
+        return all(e.is_file(follow_symlinks=False) and _TINY_MODEL_FILES.fullmatch(e.name) for e in entries)
+
+
+def _is_export_output(path: str) -> bool:
+    """A snapshot an earlier `export` wrote: its marker holds pinned-eval's manifest."""
+    marker = os.path.join(path, MARKER)
+    if os.path.islink(marker) or not os.path.isfile(marker):
+        return False
+    try:
+        with open(marker, "rb") as f:
+            Manifest.model_validate_json(f.read(1 << 20))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def tiny_model(
     out: Annotated[Path, typer.Option(help="Directory to write the snapshot into.")],
     arch: Annotated[str, typer.Option(help="llama, qwen2 or qwen3.")] = "llama",
@@ -119,6 +150,11 @@ def tiny_model(
     if arch not in ("llama", "qwen2", "qwen3"):
         typer.echo(f"error: --arch must be llama, qwen2 or qwen3, got {arch!r}", err=True)
         raise typer.Exit(code=2)
+    try:
+        claim_new_dir(str(out), "--out", earlier_output=_is_tiny_model_output)
+    except UntrustedPathError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
     from engine.tiny_model import make_tiny_model  # torch/transformers: `--help` stays fast
 
     (out / MARKER).unlink(missing_ok=True)  # rewriting the files: an old marker would vouch for them
@@ -163,6 +199,12 @@ def export(
         raise typer.BadParameter("give exactly one of --megatron-ckpt and --state-dict")
     shard_bytes = parse_size(max_shard_size)
     opts = _options(out, endpoint_url)
+    if opts is None:  # a local directory: new, empty, or an earlier export's, never another's
+        try:
+            claim_new_dir(out.removeprefix("file://"), "--out", earlier_output=_is_export_output, create=False)
+        except UntrustedPathError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from None
     if megatron_ckpt is not None:
         if dtype is not None:
             raise typer.BadParameter("--dtype applies to --state-dict only (Megatron keeps the base dtype)")

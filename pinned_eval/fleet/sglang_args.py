@@ -81,7 +81,7 @@ class SGLangFleetSpec(BaseModel):
             raise ValueError(f"overrides.{owned[0]}: set by the launcher, not by overrides")
         for where, args in (("base_args", self.base_args), ("overrides", self.overrides)):
             for key in args:
-                if not _FIELD.match(key):
+                if not _FIELD.fullmatch(key):
                     raise ValueError(f"{where}.{key}: not a ServerArgs field name (snake_case)")
         if self.lora_target_modules and self.lora_max_rank is None:
             raise ValueError("lora_target_modules: needs lora_max_rank (adapter mode enables LoRA)")

@@ -104,7 +104,7 @@ def check_reward_name(name: str, *, strict_miles: bool = False) -> str:
     if name in REWARD_NAMES:
         return name
     if name.startswith(CUSTOM_PREFIX):
-        if _CUSTOM_PATH.match(name.removeprefix(CUSTOM_PREFIX)):
+        if _CUSTOM_PATH.fullmatch(name.removeprefix(CUSTOM_PREFIX)):
             return name
         raise ValueError(
             f"reward {name!r}: expected 'custom:<module:function>' or 'custom:<module.function>'"

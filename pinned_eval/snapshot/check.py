@@ -10,8 +10,16 @@
    safetensors' loaders require (`bad_header`, naming the key); file size == 8 + header + data end
    (`truncated_shard` when shorter, `shard_size_mismatch` when longer); the header's tensor names
    equal the index names mapped to that shard (`header_mismatch`);
-4. the sum of tensor bytes equals `metadata.total_size` (`total_size_mismatch`);
-5. the marker vouches for these files (`stale_marker`): a `Manifest` marker must carry the export
+4. tensor dtypes agree with `config.json` (`dtype_mismatch`, naming shard, tensor and both
+   dtypes): when the config's `torch_dtype` (or `dtype`) is a floating type, every tensor must be
+   floating point (F64, F32, F16, BF16, F8_E4M3, F8_E5M2); a BOOL or integer tensor is refused.
+   Floating tensors of another width than the config's are accepted: real checkpoints mix them
+   legitimately (F32 norms, router biases or FP8 scales in a bf16 model, FP8 weights with F32
+   scales) and transformers casts on load. Not checked: a config with `quantization_config`
+   (quantized weights are integers by design), a non-float or absent dtype, no or an unreadable
+   `config.json` (an adapter has none);
+5. the sum of tensor bytes equals `metadata.total_size` (`total_size_mismatch`);
+6. the marker vouches for these files (`stale_marker`): a `Manifest` marker must carry the export
    id found in the index and every shard header, the index's sha256, and every listed file's size
    (`missing_file` when one is gone; `bad_marker` when it is not a manifest). A bare (empty)
    marker, as miles writes, cannot name an export: it is stale when older than any shard/index.
@@ -54,6 +62,11 @@ from pinned_eval.snapshot.layout import (
 
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+_TORCH_FLOATS = frozenset({"float64", "double", "float32", "float", "float16", "half", "bfloat16",
+                           "float8_e4m3fn", "float8_e5m2"})
+CONFIG = "config.json"
+MAX_CONFIG = 1 << 20
 MAX_HEADER = 100_000_000  # safetensors' own limit
 PREFETCH = 64 << 10  # one ranged read per shard covers the header of any ordinary LLM shard
 
@@ -67,6 +80,7 @@ class SnapshotProblem(StrEnum):
     TRUNCATED_SHARD = "truncated_shard"
     SHARD_SIZE_MISMATCH = "shard_size_mismatch"
     HEADER_MISMATCH = "header_mismatch"
+    DTYPE_MISMATCH = "dtype_mismatch"
     TOTAL_SIZE_MISMATCH = "total_size_mismatch"
     BAD_MARKER = "bad_marker"
     MISSING_FILE = "missing_file"
@@ -98,6 +112,7 @@ class _Header:
     names: set[str]
     data_bytes: int
     export_id: str | None
+    dtypes: dict[str, str]
 
 
 def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
@@ -121,6 +136,7 @@ def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
     if meta.get("format", "pt") != "pt":  # transformers loads only PyTorch-format safetensors
         raise bad(f"__metadata__ format {meta.get('format')!r} is not 'pt'")
     spans: list[tuple[int, int, str]] = []
+    dtypes: dict[str, str] = {}
     for name, entry in hdr.items():
         if not isinstance(entry, dict):
             raise bad(f"entry {name!r} is not an object")
@@ -134,13 +150,14 @@ def _parse_header(fname: str, raw: bytes) -> tuple[_Header, int]:
         if offs[1] - offs[0] != math.prod(shape) * DTYPE_SIZES[dtype]:
             raise bad(f"tensor {name!r}: data_offsets {offs} do not fit shape {shape} of {dtype}")
         spans.append((offs[0], offs[1], name))
+        dtypes[name] = dtype
     end = 0
     for begin, stop, name in sorted(spans):
         if begin != end:
             raise bad(f"tensor {name!r} starts at {begin}, expected {end} (gap or overlap)")
         end = stop
     export_id = meta.get(EXPORT_ID_KEY)
-    return _Header(set(hdr), end, export_id if isinstance(export_id, str) else None), end
+    return _Header(set(hdr), end, export_id if isinstance(export_id, str) else None, dtypes), end
 
 
 def _prefetch(fs: AbstractFileSystem, paths: dict[str, str], sizes: dict[str, int]) -> dict[str, bytes]:
@@ -250,6 +267,7 @@ def _check(fs: AbstractFileSystem, root: str, require_marker: bool, adapter: boo
             raise _Incomplete(P.HEADER_MISMATCH,
                               f"{fname}: not in index {extra[:3]}, missing from header {missing[:3]}")
         data_bytes += headers[fname].data_bytes
+    _check_dtypes(fs, root, files, headers)
     if data_bytes != total_size:
         raise _Incomplete(P.TOTAL_SIZE_MISMATCH,
                           f"shards hold {data_bytes} tensor bytes, index says total_size {total_size}")
@@ -257,6 +275,38 @@ def _check(fs: AbstractFileSystem, root: str, require_marker: bool, adapter: boo
     if MARKER in files:
         _check_marker(fs, root, files, index_bytes, index_export_id, headers, index_name)
     return total_size, len(shard_names)
+
+
+def _config_dtype(fs: AbstractFileSystem, root: str, files: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+    """(key, value) of the config's floating dtype, or None when there is none to check against."""
+    if CONFIG not in files or files[CONFIG]["size"] > MAX_CONFIG:
+        return None
+    try:
+        cfg = json.loads(fs.cat_file(join(fs, root, CONFIG)))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(cfg, dict) or cfg.get("quantization_config") is not None:
+        return None
+    for key in ("torch_dtype", "dtype"):
+        value = cfg.get(key)
+        if isinstance(value, str) and value.removeprefix("torch.") in _TORCH_FLOATS:
+            return key, value
+    return None
+
+
+def _check_dtypes(fs: AbstractFileSystem, root: str, files: dict[str, dict[str, Any]],
+                  headers: dict[str, _Header]) -> None:  # fmt: skip
+    wanted = None
+    for fname, h in sorted(headers.items()):
+        for name, dtype in sorted(h.dtypes.items()):
+            if dtype in FLOAT_DTYPES:
+                continue
+            wanted = wanted or _config_dtype(fs, root, files)
+            if wanted is None:
+                return
+            key, value = wanted
+            raise _Incomplete(P.DTYPE_MISMATCH, f"{fname}: tensor {name!r} is {dtype}, but {CONFIG} {key} is "
+                                                f"{value}: a floating-point model holds floating-point tensors only")
 
 
 def _check_marker(

@@ -2,8 +2,11 @@
 
 Invariants (a hostile local user shares the node and may own files near the root):
 - a staging root is trusted only when it is a real directory (not a symlink), owned by this
-  process's user (or root), and not writable by others unless the sticky bit is set;
-  `check_root` refuses anything else with `UnsafeStagingRootError` naming the root and why;
+  process's user (or root), and not writable by its group or others unless the sticky bit is set,
+  and every directory on the way to it is trusted by the same rule (`pinned_eval.trusted_paths`:
+  a neighbour's symlink or directory higher up is refused, not followed); `check_root` refuses
+  anything else with `UnsafeStagingRootError` naming the root, the component and why, at
+  construction and again before every delete or write;
 - every delete and write opens the root with `O_NOFOLLOW`, re-checks it on the open descriptor,
   and walks down one component at a time with `O_NOFOLLOW` relative to the parent's descriptor
   (`dir_fd`), so a symlink swapped in after the path check (at the root or at any component
@@ -23,6 +26,8 @@ import shutil
 import stat
 from collections.abc import Iterator, Sequence
 
+from pinned_eval.trusted_paths import untrusted_component, why_untrusted
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -39,16 +44,21 @@ def _why_unsafe(st: os.stat_result) -> str | None:
         return "it is a symlink"
     if not stat.S_ISDIR(st.st_mode):
         return "it is not a directory"
-    if st.st_uid not in (os.geteuid(), 0):
-        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root"
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        return f"it is writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
+    return why_untrusted(st)
+
+
+def _check_ancestors(root: str) -> None:
+    found = untrusted_component(os.path.dirname(os.path.abspath(root)))
+    if found is not None:
+        entry, why = found
+        raise UnsafeStagingRootError(f"staging root {root!r} refused ({entry!r} on the way to it): {why}")
 
 
 def check_root(root: str) -> None:
-    """Refuse an existing local staging root that another user could redirect or fill; a root
-    that does not exist yet passes (this user creates it; every delete re-checks it)."""
+    """Refuse a local staging root that another user could redirect or fill: the root itself
+    when it exists, and every directory on the way to it; a root that does not exist yet passes
+    when its ancestors do (this user creates it; every delete re-checks it)."""
+    _check_ancestors(root)
     try:
         st = os.lstat(root)
     except FileNotFoundError:
@@ -75,6 +85,7 @@ def _open_dir(name: str, dir_fd: int | None, shown: str) -> Iterator[int]:
 
 @contextlib.contextmanager
 def _open_root(root: str) -> Iterator[int]:
+    _check_ancestors(root)
     try:
         fd = os.open(root, _DIR_FLAGS)
     except OSError as exc:

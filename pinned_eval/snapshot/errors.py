@@ -23,3 +23,17 @@ EXPORT_ERRORS: tuple[type[BaseException], ...] = (ExportError, OSError, Safetens
 
 class ConversionError(ExportError, ValueError):
     """A checkpoint or config the converters cannot turn into the HF layout (names what does not fit)."""
+
+
+class ExportPathError(ExportError, ValueError):
+    """A destination below a directory another user could redirect or fill (`pinned_eval.trusted_paths`)."""
+
+
+def make_export_dirs(path: str) -> None:
+    """`trusted_paths.make_private_dirs` for a snapshot destination; refusal is an `ExportPathError`."""
+    from pinned_eval.trusted_paths import UntrustedPathError, make_private_dirs
+
+    try:
+        make_private_dirs(path, "snapshot directory")
+    except UntrustedPathError as exc:
+        raise ExportPathError(str(exc)) from None

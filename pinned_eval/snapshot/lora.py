@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from pinned_eval.snapshot.errors import ExportError
+from pinned_eval.snapshot.errors import ExportError, make_export_dirs
 from pinned_eval.snapshot.layout import (
     ADAPTER_CONFIG,
     ADAPTER_INDEX,
@@ -302,7 +302,10 @@ def _write_adapter_files(
     marker = join(fs, root, MARKER)
     if fs.exists(marker):
         fs.rm(marker)  # a stale marker must never vouch for the files written below
-    fs.makedirs(root, exist_ok=True)
+    if is_local(fs):
+        make_export_dirs(root)  # 0700, below trusted directories only
+    else:
+        fs.makedirs(root, exist_ok=True)
     if fs.exists(join(fs, root, ADAPTER_INDEX)):  # this writer writes one file; an old index would misname it
         fs.rm(join(fs, root, ADAPTER_INDEX))
     fs.pipe_file(join(fs, root, ADAPTER_CONFIG), config)

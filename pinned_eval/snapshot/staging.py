@@ -50,6 +50,7 @@ from pinned_eval.snapshot.confined import UnsafeStagingRootError as UnsafeStagin
 from pinned_eval.snapshot.confined import check_root, remove_below, write_below
 from pinned_eval.snapshot.errors import ExportError
 from pinned_eval.snapshot.layout import MARKER, RETIRED, file_mtime, fsync_path, is_local, is_s3, join, resolve, to_url
+from pinned_eval.trusted_paths import UntrustedPathError, make_private_dirs
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -179,13 +180,16 @@ class Staging:
         if self.fs.exists(fs_dest):
             self.delete(dest)
         names = sorted(n for n in os.listdir(src) if os.path.isfile(os.path.join(src, n)) and n != MARKER)
+        if self.local:  # 0700, below trusted directories only (a run dir a neighbour made in a shared root: refused)
+            try:
+                make_private_dirs(fs_dest, "staging path")
+            except UntrustedPathError as exc:
+                raise StagingPathError(str(exc)) from None
         try:
             pairs = [(os.path.join(src, n), join(self.fs, fs_dest, n)) for n in names]
             if is_s3(self.fs):
                 s3_upload.put_files(self.fs, pairs)
             else:  # local, or any other fsspec store
-                if self.local:
-                    self.fs.makedirs(fs_dest, exist_ok=True)
                 self.fs.put([lp for lp, _ in pairs], [rp for _, rp in pairs])
                 if self.local:  # durable before the marker vouches for them
                     for _, rp in pairs:

@@ -42,7 +42,7 @@ import torch
 from fsspec import AbstractFileSystem
 
 from pinned_eval.snapshot import s3_upload
-from pinned_eval.snapshot.errors import ExportError
+from pinned_eval.snapshot.errors import ExportError, make_export_dirs
 from pinned_eval.snapshot.layout import (
     EXPORT_ID_KEY,
     INDEX,
@@ -290,7 +290,7 @@ def write_snapshot(
         try:
             _clear_stale(fs, root)
             if is_local(fs):
-                fs.makedirs(root, exist_ok=True)
+                make_export_dirs(root)  # 0700, below trusted directories only
             _collect(tensors, specs, weight_map, w)
             total = sum(s.nbytes for s in plan)
             index = {"metadata": {"total_size": total, EXPORT_ID_KEY: export_id},
