@@ -129,7 +129,7 @@ def test_a_busy_buffer_skips_on_every_rank_without_allocating(job: dict) -> None
 
 def test_a_failed_background_write_is_rank0s_alone_and_leaves_no_snapshot(job: dict) -> None:
     r0, r1 = job["seen"]
-    assert r0["write_fails"] == "NotADirectoryError" and r1["write_fails"] == {"ok": True}
+    assert r0["write_fails"] == "ExportPathError" and r1["write_fails"] == {"ok": True}
     assert not (job["root"] / "a_file" / "snap").exists()
 
 
