@@ -408,3 +408,17 @@ def test_state_dict_export_casts_while_staging_so_the_buffer_is_the_written_size
     got = load_file(str(shard))
     assert torch.equal(got["0.weight"], model.state_dict()["0.weight"].to(torch.bfloat16))
     assert staged.metadata == {"at": 40, "step": 4}
+
+
+def test_a_snapshot_being_written_counts_in_flight_for_admission():
+    """The client's `_spooled()` holds the step being written (asserted above); admission counts it."""
+    from trainer_integration.admission import AdmissionView
+
+    view = AdmissionView("exp42", visible_timeout_s=60)
+    view.refresh([], set())  # a fresh, empty server view
+    verdict, n, _, offline = view.decide(5, final=False, policy="skip", max_in_flight=1, spooled=lambda: {3},
+                                         poll_s=0.01, wake=lambda: None)  # fmt: skip
+    assert (verdict, n, offline) == ("busy", 1, False)
+    verdict, n, _, _ = view.decide(5, final=False, policy="skip", max_in_flight=1, spooled=set,
+                                   poll_s=0.01, wake=lambda: None)  # fmt: skip
+    assert (verdict, n) == ("ok", 0)
