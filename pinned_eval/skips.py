@@ -17,6 +17,7 @@ _SLUG = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 class SkipReason(StrEnum):
     BUSY = "busy"
     EXPORT_FAILED = "export_failed"
+    EXPORT_BUSY = "export_busy"  # an in-loop export while the previous snapshot was still being written
     CKPT_MISSING = "ckpt_missing"
     UNHEALTHY = "unhealthy"
     PIN_VIOLATION = "pin_violation"

@@ -136,7 +136,8 @@ class AdmissionView:
     def _busy(self, spooled: set[int], fallback: list[PointRequest] | None = None) -> set[int]:
         """Steps in flight (caller holds the lock). With `fallback` (a refresh), a sent point whose
         run never appeared is queued there, once."""
-        busy = set(self._server_busy)
+        # spooled steps never noted as requested: snapshots being written in the background
+        busy = set(self._server_busy) | {s for s in spooled if s not in self._requested and s not in self._known}
         now = time.monotonic()
         for step, at in self._requested.items():
             if step in self._known:

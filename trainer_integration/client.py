@@ -21,6 +21,16 @@ Contract:
   `export_failed` at the step; `dispatch` returns `skipped_export_failed` with the exception in
   `reason`, and the next dispatch exports again. An `s3://` staging root uses `storage_options`, else the saved
   staging block's endpoint and credentials (fetched once, by name, over the API).
+  That is the contract of a plain `export(step, dest)` callable: it runs to completion inside
+  `dispatch`. A two-phase exporter (`pinned_eval.snapshot.two_phase`: `StateDictExport`,
+  `LoraExport`; a pre-staged collective `pinned_eval.snapshot.collective_staged.StagedCollective`)
+  only stalls the loop for the copy of the step's tensors into the client's reusable host buffer
+  (`host_staging`, one snapshot's worth; pinned with CUDA): `dispatch` returns `exporting` once
+  the copy is done, the snapshot is written in the background (`trainer_integration.background_export`)
+  and the point is requested only after its `.complete` marker exists. While the previous
+  snapshot is still being written, a new two-phase export waits for it (`backpressure`, and the
+  final point) or is skipped as `export_busy` (`skip`) — never a second buffer. A failed
+  background write is that step's `export_failed`, its partial output removed.
 - every request is written ahead to the durable spool and sent by a background thread (the run
   created directly on the deployment, the event as fallback: `trainer_integration.events`), so a
   non-waiting call costs the loop one fsync. `dispatch` never raises into training for anything
@@ -52,12 +62,14 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from pinned_eval.events import BlockNames
-from pinned_eval.points import PointRequest, Posture, SnapshotSource, SourceKind, run_key
+from pinned_eval.points import PointRequest, Posture, SnapshotSource, run_key
 from pinned_eval.settings import PrefectApiSettings, get_settings
 from pinned_eval.snapshot.confined import UnsafeStagingRootError
 from pinned_eval.snapshot.errors import EXPORT_ERRORS
+from pinned_eval.snapshot.host_staging import HostStaging, Staged, TwoPhaseExport
 from trainer_integration.admission import AdmissionView
 from trainer_integration.admission_sync import AdmissionSync
+from trainer_integration.background_export import BackgroundWrites
 from trainer_integration.events import (
     Delivery,
     event_entry,
@@ -69,10 +81,11 @@ from trainer_integration.progress import ProgressPublisher
 from trainer_integration.rest import ApiUnavailableError, PrefectRest, api_client
 from trainer_integration.results import DispatchResult, PointOutcome
 from trainer_integration.spool import Deliverer, Spool, SpoolEntry, SpoolWriteError
+from trainer_integration.two_phase_dispatch import TwoPhaseDispatch
 
 log = logging.getLogger(__name__)
 
-Exporter = Callable[[int, str], object]
+Exporter = Callable[[int, str], object] | TwoPhaseExport | Staged
 # what `dispatch` turns into an `export_failed` record instead of raising into the training loop
 # (an unsafe staging root, e.g. a symlink another user planted, is refused and skipped, not raised)
 _INFRA_ERRORS: tuple[type[BaseException], ...] = (
@@ -86,7 +99,7 @@ class GateLike(Protocol):
     def closed(self, reason: str = "") -> AbstractAsyncContextManager[object]: ...
 
 
-class EvalClient(PointOutcomes):
+class EvalClient(TwoPhaseDispatch, PointOutcomes):
     def __init__(
         self,
         run: str,
@@ -111,10 +124,12 @@ class EvalClient(PointOutcomes):
         backend_block: str | None = None,
         lora_base: str | Path | None = None,
         storage_options: dict[str, Any] | None = None,
+        host_staging: HostStaging | None = None,
     ) -> None:
         """`lora_base`: in-loop exports write a PEFT LoRA adapter (e.g. `write_adapter_snapshot(peft_model,
         dest)`) for this base HF dir, so they are dispatched as `lora` sources (the fleet block's
-        `lora_mode` serves them as an adapter or merged)."""
+        `lora_mode` serves them as an adapter or merged). `host_staging`: the host buffer two-phase
+        exports stage into (default: one `HostStaging()`, pinned when CUDA is available)."""
         settings = settings or PrefectApiSettings()
         webhook_url = webhook_url or settings.webhook_url
         url = api_url or settings.api_url
@@ -136,6 +151,8 @@ class EvalClient(PointOutcomes):
         self.idle_sync_s = idle_sync_s
         self.visible_timeout_s = visible_timeout_s
         self._target = ExportTarget(staging_root, storage_options)
+        self.host_staging = host_staging or HostStaging()
+        self._writes = BackgroundWrites(self.host_staging, run)
         self.rest = PrefectRest(url, http or api_client(settings))
         self.progress = ProgressPublisher(self.rest, run)
         self.admission = AdmissionView(run, visible_timeout_s)
@@ -185,7 +202,8 @@ class EvalClient(PointOutcomes):
         return self._sync.refresh()
 
     def _spooled(self) -> set[int]:
-        return {e.step for e in self.spool.pending() if e.kind != "skip_record"}
+        # a snapshot still being written is in flight: its request follows the marker
+        return {e.step for e in self.spool.pending() if e.kind != "skip_record"} | self._writes.steps()
 
     @property
     def synced(self) -> bool:
@@ -208,11 +226,19 @@ class EvalClient(PointOutcomes):
         posture: Posture = Posture.FLEET,
     ) -> DispatchResult:
         t0 = time.monotonic()
-        if step < 0:
-            raise ValueError(f"step: must be >= 0, got {step}")
-        if not self.due(step, final=final):
-            return DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
-        return self._dispatch_safe(step, source, final, export, posture, t0)
+        handed_on = False
+        try:
+            if step < 0:
+                raise ValueError(f"step: must be >= 0, got {step}")
+            if not self.due(step, final=final):
+                return DispatchResult(step=step, action="not_due", in_flight=0, stall_seconds=time.monotonic() - t0)
+            result = self._dispatch_safe(step, source, final, export, posture, t0)
+            handed_on = result.action == "exporting"
+            return result
+        finally:  # a collective's staged buffer not handed to the background writer is handed back
+            discard = getattr(export, "discard", None)
+            if discard is not None and not handed_on:
+                discard()
 
     def _dispatch_safe(
         self,
@@ -248,6 +274,8 @@ class EvalClient(PointOutcomes):
         posture: Posture,
         t0: float,
     ) -> DispatchResult:
+        if step in self._writes.steps():  # being written: its request follows
+            return DispatchResult(step=step, action="exists", in_flight=0, stall_seconds=time.monotonic() - t0)
         verdict, n, waited, offline = self.admission.decide(
             step, final=final, policy=self.policy, max_in_flight=self.max_in_flight, spooled=self._spooled,
             poll_s=self.poll_s, wake=self._sync.wake,
@@ -263,6 +291,8 @@ class EvalClient(PointOutcomes):
             if self._staging is None:
                 raise ValueError("staging_root: an in-loop export needs the client's staging_root")
             dest = self._staging.path_for(self.run, step)
+            if isinstance(export, (TwoPhaseExport, Staged)):
+                return self._two_phase(step, export, dest, final, posture, common, t0)
             e0 = time.monotonic()
             try:
                 export(step, dest)
@@ -277,17 +307,19 @@ class EvalClient(PointOutcomes):
                     action="skipped_export_failed", reason=why, stall_seconds=time.monotonic() - t0, **common
                 )
             export_time = time.monotonic() - e0
-            source = (
-                SnapshotSource(kind=SourceKind.LORA, path=dest, hf_base=self.lora_base)
-                if self.lora_base is not None
-                else SnapshotSource(kind=SourceKind.STAGED, path=dest)
-            )
+            source = self._staged_source(dest)
         request = self._request(step, source, final, posture, export_time)
         self._enqueue(event_entry(request, self.blocks))  # spooled first: a failed write sends nothing
         self.admission.sent(request)
         return DispatchResult(
             action="requested", export_time_seconds=export_time, stall_seconds=time.monotonic() - t0, **common
         )
+
+    def drain(self, timeout: float) -> list[PointOutcome]:
+        """Finish the background writes, then `PointOutcomes.drain` with the time left."""
+        deadline = time.monotonic() + timeout
+        self._writes.wait(timeout)
+        return super().drain(max(0.0, deadline - time.monotonic()))
 
     def _request(
         self, step: int, source: SnapshotSource | None, final: bool, posture: Posture, export_time: float | None
@@ -351,6 +383,7 @@ class EvalClient(PointOutcomes):
             return await self.shared_point(step, final=final, timeout=timeout)
 
     def close(self) -> None:
+        self._writes.wait()  # a snapshot being written is finished and its request spooled
         self._sync.stop()
         self.deliverer.stop()
         self.progress.stop()

@@ -18,7 +18,11 @@ from pinned_eval.points import outcome_of as state_outcome
 from pinned_eval.points import reason_of
 from trainer_integration.rest import PointRun
 
-Action = Literal["requested", "exists", "not_due", "skipped_busy", "skipped_export_failed", "skipped_spool_failed"]
+# "exporting": a two-phase export is staged and being written; its request follows the marker
+Action = Literal[
+    "requested", "exporting", "exists", "not_due", "skipped_busy", "skipped_export_busy",
+    "skipped_export_failed", "skipped_spool_failed",
+]
 OutcomeState = Literal["measured", "skipped", "failed", "crashed", "cancelled", "pending"]
 
 
@@ -29,7 +33,9 @@ class DispatchResult(BaseModel):
     action: Action
     in_flight: int = Field(description="Points in flight seen by admission (this one excluded).")
     waited_seconds: float = 0.0
-    export_time_seconds: float | None = None
+    export_time_seconds: float | None = Field(
+        default=None, description="The export's time in the call: all of it, or a two-phase export's staging copy."
+    )
     stall_seconds: float = Field(description="Wall time the call took, export included.")
     admitted_offline: bool = Field(default=False, description="API unreachable: admitted unchecked.")
     reason: str | None = Field(default=None, description="Why a skipped point was skipped, where not in a record.")

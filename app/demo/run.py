@@ -209,7 +209,7 @@ def _train_and_evaluate(
                 client.report_progress(step)
                 final = step == opts.steps
                 if step % opts.eval_every == 0 or final:
-                    res = client.dispatch(step, final=final, export=lambda s, dest: trainer.export(dest))
+                    res = client.dispatch(step, final=final, export=trainer.exporter())
                     say(f"  step {step:4d} {stats.phase:6s} loss {stats.loss:.3f} -> eval point {res.action} "
                         f"(loop stalled {res.stall_seconds * 1000:.0f} ms)")  # fmt: skip
             say(f"training done in {time.monotonic() - t0:.0f}s; waiting for the last eval points ...")

@@ -17,6 +17,7 @@ Invariants:
 - `export(dest)` writes exactly the base snapshot's tensor names (same architecture and layout as
   `engine.tiny_model.make_tiny_model`) with `write_snapshot`, copying config/tokenizer from the
   base dir, so the CPU engine and transformers load it; `.complete` is written last.
+  `exporter()` is the same export in two phases (staged at dispatch, written in the background).
 - `score()` / `greedy()` decode in process with the same left-padded greedy decoder the rollouts
   use; RL runs are not bit-reproducible (which version generated which group depends on timing).
 No Prefect import.
@@ -37,6 +38,7 @@ from safetensors import safe_open
 from app.demo import tasks
 from app.demo.rollouts import CyclingSource, PromptItem, RolloutWorker, sample
 from engine.weights import weight_files
+from pinned_eval.snapshot.two_phase import StateDictExport
 from pinned_eval.snapshot.writer import write_snapshot
 from trainer_integration.producer import ProducerConfig
 from trainer_integration.rollout_buffer import Sample, iter_samples
@@ -269,6 +271,17 @@ class DemoTrainer:
     def evaluate(self) -> dict[str, float]:
         """Greedy exact-match accuracy on each builtin eval dataset of the demo."""
         return {s.name: self.score(list(s.prompts), list(s.labels)) for s in tasks.eval_sets()}
+
+    def exporter(self) -> StateDictExport:
+        """The two-phase in-loop exporter of the current weights (`EvalClient.dispatch(step,
+        export=trainer.exporter())`): the base snapshot's tensor names, staged into the client's
+        host buffer at dispatch, written in the background with this version in the manifest."""
+
+        def tensors() -> list[tuple[str, torch.Tensor]]:
+            state = self.model.state_dict()
+            return [(name, state[name]) for name in self._names]
+
+        return StateDictExport(tensors, str(self.base_dir), metadata={"weight_version": str(self.version)})
 
     def export(self, dest: str | Path) -> ExportStats:
         state = self.model.state_dict()

@@ -14,7 +14,8 @@ Contract:
 - `export_merged(adapter_dir, base_dir, dest)` writes the merged model as a full snapshot with
   `write_snapshot` (marker last). `write_adapter_snapshot(adapter_dir, dest)` copies an adapter
   into `dest` with the `.complete` manifest last (the safetensors carry the export id, so the
-  completeness check vouches for exactly these files).
+  completeness check vouches for exactly these files); `write_adapter_tensors(tensors, config,
+  dest)` does the same for an adapter held in memory (the two-phase `LoraExport`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pinned_eval.snapshot.layout import (
     INDEX,
     MARKER,
     Manifest,
+    fsync_path,
     is_local,
     join,
     resolve,
@@ -265,9 +267,37 @@ def write_adapter_snapshot(
     for path in _weight_files(Path(adapter)):
         with safe_open(path, framework="pt") as f:
             tensors.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    config = (Path(adapter) / ADAPTER_CONFIG).read_bytes()
+    return _write_adapter_files(tensors, config, parsed.config.r, dest, storage_options)
+
+
+def write_adapter_tensors(
+    tensors: dict[str, torch.Tensor], config: bytes, dest: str, *, storage_options: dict[str, Any] | None = None
+) -> str:
+    """Write an adapter held in memory (PEFT names, `adapter_config.json` bytes) as a snapshot at
+    `dest`, validated like `read_adapter` before anything is written; config, weights, marker last."""
+    try:
+        parsed = AdapterConfig.model_validate_json(config)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise AdapterError(f"{ADAPTER_CONFIG}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    halves: dict[str, set[str]] = {}
+    for name in tensors:
+        module, half = _split(ADAPTER_WEIGHTS, name)
+        halves.setdefault(module, set()).add(half)
+    if not halves:
+        raise AdapterError(f"{ADAPTER_WEIGHTS}: holds no LoRA tensors")
+    for module, pair in sorted(halves.items()):
+        if pair != {"A", "B"}:
+            raise AdapterError(f"{ADAPTER_WEIGHTS}: {module} has lora_{''.join(pair)} but not both lora_A and lora_B")
+    return _write_adapter_files(tensors, config, parsed.r, dest, storage_options)
+
+
+def _write_adapter_files(
+    tensors: dict[str, torch.Tensor], config: bytes, r: int, dest: str, storage_options: dict[str, Any] | None
+) -> str:
     export_id = uuid.uuid4().hex
     weights = save(tensors, metadata={"format": "pt", EXPORT_ID_KEY: export_id})
-    config = (Path(adapter) / ADAPTER_CONFIG).read_bytes()
     fs, root = resolve(dest, storage_options)
     marker = join(fs, root, MARKER)
     if fs.exists(marker):
@@ -280,13 +310,17 @@ def write_adapter_snapshot(
         fs.rm(join(fs, root, ADAPTER_INDEX))
     fs.pipe_file(join(fs, root, ADAPTER_CONFIG), config)
     fs.pipe_file(join(fs, root, ADAPTER_WEIGHTS), weights)
+    if is_local(fs):  # config and weights are durable before the marker can be
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            fsync_path(join(fs, root, name))
+        fsync_path(root)
     manifest = Manifest(
         export_id=export_id,
         index_sha256=hashlib.sha256(b"").hexdigest(),  # no index: the single weights file is the whole set
         total_size=sum(t.numel() * t.element_size() for t in tensors.values()),
         files={ADAPTER_CONFIG: len(config), ADAPTER_WEIGHTS: len(weights)},
         created_at=datetime.now(UTC).isoformat(),
-        metadata={"lora_adapter": True, "r": parsed.config.r},
+        metadata={"lora_adapter": True, "r": r},
     )
     fs.pipe_file(marker, manifest.model_dump_json(indent=2).encode())
     return to_url(fs, root)

@@ -3,7 +3,9 @@
 Two entry points, one converter (`mcore_names.MegatronToHf`) and one writer (`write_snapshot`):
 - `export_live_model(model, base_hf_dir, dest)` — collective, inside a training job: every rank
   calls it; tensor-parallel shards are all-gathered (fc1 regrouped as SwiGLU [gate; up]), global
-  rank 0 of `group` converts and writes (protocol in `pinned_eval.snapshot.collective`).
+  rank 0 of `group` converts and writes (protocol in `pinned_eval.snapshot.collective`);
+  `stage_live_model(model, base_hf_dir, pool=...)` is its two-phase form: the collective ends once
+  every part is in rank 0's host buffer, conversion and writing follow in the background.
 - `export_megatron_checkpoint(ckpt_dir, hf_base_dir, dest)` — offline, one process, no model and
   no megatron import: streams a `torch_dist` checkpoint one layer at a time (`mcore_checkpoint`).
 
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 
 from pinned_eval.snapshot.collective import DEFAULT_BUCKET_BYTES, ExportResult, collective_export, merge_partitions
+from pinned_eval.snapshot.collective_staged import StagedCollective, collective_stage
 from pinned_eval.snapshot.errors import ConversionError
+from pinned_eval.snapshot.host_staging import HostStaging
 from pinned_eval.snapshot.layout import resolve
 from pinned_eval.snapshot.mcore_checkpoint import TorchDistReader
 from pinned_eval.snapshot.mcore_names import DenseLayout, MegatronToHf, plan_conversion
@@ -100,26 +104,10 @@ def _megatron_merge(name: str, shards: list[torch.Tensor], dim: int, stride: int
     return merge_partitions(name, shards, dim, stride)
 
 
-def export_live_model(
-    model: Any,
-    base_hf_dir: str,
-    dest: str,
-    *,
-    family: str | None = None,
-    group: Any = None,
-    tp_group: Any = None,
-    bucket_bytes: int | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    storage_options: dict[str, Any] | None = None,
-    metadata: dict[str, Any] | None = None,
-) -> ExportResult:
-    """Collective: every rank of `group` (default: world) calls this with its `GPTModel` (or a
-    one-element list / DDP-wrapped model). Returns `pinned_eval.snapshot.collective.ExportResult` on
-    every rank; raises on global rank 0 of `group` if it failed (the others then get ok=False).
-
-    `tp_group` defaults to megatron's tensor-parallel group. Only rank 0 reads `base_hf_dir`.
-    Checks that fail identically on every rank (layout, parallel state) raise before any collective.
-    """
+def _live_parts(
+    model: Any, base_hf_dir: str, family: str | None, tp_group: Any, storage_options: dict[str, Any] | None
+) -> tuple[torch.nn.Module, Any, Any, Any]:
+    """(module, tp group, plan, converter) of a live export; checks that fail on every rank raise here."""
     inner = _unwrap(model)
     if not getattr(inner.config, "gated_linear_unit", False):
         raise NotImplementedError("live export supports SwiGLU (gated_linear_unit=True) models only")
@@ -142,9 +130,59 @@ def export_live_model(
     def convert(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return state["converter"].convert(name, t)
 
+    return inner, tp_group, plan, convert
+
+
+def export_live_model(
+    model: Any,
+    base_hf_dir: str,
+    dest: str,
+    *,
+    family: str | None = None,
+    group: Any = None,
+    tp_group: Any = None,
+    bucket_bytes: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    storage_options: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> ExportResult:
+    """Collective: every rank of `group` (default: world) calls this with its `GPTModel` (or a
+    one-element list / DDP-wrapped model). Returns `pinned_eval.snapshot.collective.ExportResult` on
+    every rank; raises on global rank 0 of `group` if it failed (the others then get ok=False).
+
+    `tp_group` defaults to megatron's tensor-parallel group. Only rank 0 reads `base_hf_dir`.
+    Checks that fail identically on every rank (layout, parallel state) raise before any collective.
+    """
+    inner, tp_group, plan, convert = _live_parts(model, base_hf_dir, family, tp_group, storage_options)
     meta = {"source": "megatron-live", **(metadata or {})}
     return collective_export(
         inner, dest, base_hf_dir=base_hf_dir, converter=convert, merge=_megatron_merge, plan=plan,
         group=group, tp_group=tp_group, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
         max_shard_bytes=max_shard_bytes, storage_options=storage_options, metadata=meta,
     )
+
+
+def stage_live_model(
+    model: Any,
+    base_hf_dir: str,
+    *,
+    pool: HostStaging | None,
+    wait: bool = True,
+    family: str | None = None,
+    group: Any = None,
+    tp_group: Any = None,
+    bucket_bytes: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    storage_options: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> StagedCollective:
+    """Two-phase `export_live_model` (`pinned_eval.snapshot.collective_staged`): collective on every
+    rank; returns once every rank's part is in rank 0's host buffer `pool` (`EvalClient.host_staging`;
+    None on the other ranks). On rank 0 hand the result to `client.dispatch(step, export=staged)`:
+    the HF conversion and the write run in the client's background thread."""
+    inner, tp_group, plan, convert = _live_parts(model, base_hf_dir, family, tp_group, storage_options)
+    return collective_stage(
+        inner, pool=pool, wait=wait, base_hf_dir=base_hf_dir, converter=convert, merge=_megatron_merge,
+        plan=plan, group=group, tp_group=tp_group, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+        max_shard_bytes=max_shard_bytes, metadata={"source": "megatron-live", **(metadata or {})},
+    )  # fmt: skip

@@ -53,7 +53,16 @@ def _job(rank: int, world: int, port: int, root: str) -> None:
                     torch.save(logits, out / f"logits-{fam}-tp{tp}.pt")
                 res = export_live_model(model, str(out / f"base-{fam}"), str(out / f"live-{fam}-tp{tp}"))
                 results[f"{fam}-tp{tp}"] = asdict(res)
-                if tp == 2:
+                if tp == 2:  # the two-phase form: staged into rank 0's host buffer, written after
+                    from pinned_eval.snapshot.host_staging import HostStaging
+                    from pinned_eval.snapshot.megatron import stage_live_model
+
+                    pool = HostStaging(pinned=False) if rank == 0 else None
+                    staged = stage_live_model(model, str(out / f"base-{fam}"), pool=pool)
+                    if rank == 0:
+                        staged.write(str(out / f"staged-{fam}-tp2"))
+                        staged.discard()
+                    results[f"{fam}-staged"] = {"ok": staged.ok, "rank": staged.rank}
                     t0 = time.perf_counter()
                     mh.save_torch_dist(model, out / f"ckpt-{fam}")
                     results[f"{fam}-save"] = {"seconds": time.perf_counter() - t0}
@@ -115,6 +124,20 @@ def test_live_export_matches_megatron_logits(mcore_run: Path, family: str, tp: i
     assert all(r["ok"] for r in results)
     assert results[0]["path"] == results[1]["path"] == str(mcore_run / f"live-{family}-tp{tp}")
     assert results[1]["bytes"] == results[0]["bytes"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_staged_live_export_equals_the_synchronous_one(mcore_run: Path, family: str) -> None:
+    from safetensors.torch import load_file
+
+    def tensors(snap: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(snap.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    staged, live = tensors(mcore_run / f"staged-{family}-tp2"), tensors(mcore_run / f"live-{family}-tp2")
+    assert staged.keys() == live.keys() and all(torch.equal(staged[k], live[k]) for k in live)
+    assert (mcore_run / f"staged-{family}-tp2" / ".complete").is_file()
+    results = [json.loads((mcore_run / f"results-{r}.json").read_text())[f"{family}-staged"] for r in (0, 1)]
+    assert results == [{"ok": True, "rank": 0}, {"ok": True, "rank": 1}]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

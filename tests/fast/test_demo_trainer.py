@@ -132,3 +132,24 @@ def test_accuracy_on_arith_add_improves(tmp_path, base_dir):
         after = tr.score(list(add.prompts), list(add.labels))
     assert after >= before + 0.15, (before, after)
     assert sum(s.reward_mean for s in stats[-40:]) / 40 > 0.1  # the RL phase earns reward
+
+
+def test_two_phase_exporter_writes_the_weights_of_the_staging_moment(tmp_path, base_dir):
+    import json
+
+    from pinned_eval.snapshot.host_staging import HostStaging
+
+    pool = HostStaging(pinned=False)
+    assert pool.acquire(wait=False)
+    with DemoTrainer(_config(tmp_path, base_dir, warmup_steps=30)) as tr:
+        tr.run(3)
+        state = {k: v.clone() for k, v in tr.model.state_dict().items()}
+        staged = tr.exporter().stage(3, pool)
+        tr.run(2)  # training goes on while the snapshot is written
+        staged.write(str(tmp_path / "snap"))
+    dest = tmp_path / "snap"
+    assert check_snapshot(str(dest)).complete
+    written = {k: v for shard in dest.glob("*.safetensors") for k, v in load_file(shard).items()}
+    base = {k for shard in base_dir.glob("*.safetensors") for k in load_file(shard)}
+    assert set(written) == base and all(torch.equal(written[k], state[k]) for k in written)
+    assert json.loads((dest / ".complete").read_text())["metadata"] == {"weight_version": "3", "step": 3}
