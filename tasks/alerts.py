@@ -2,8 +2,8 @@
 
 - `pinned-eval.point.measured`: one per dataset measured, payload = its metrics;
 - `pinned-eval.point.regressed`: one per measured dataset that the suite block's regression rule
-  flags against the run's earlier JSONL rows (payload: `Regression`); none without a rule or
-  without a JSONL sink (logged);
+  flags against the run's earlier ledger rows (payload: `Regression`); none without a rule or
+  without a ledger (logged);
 - `pinned-eval.point.skipped`: one per skipped point (payload: reason, message);
 - `pinned-eval.point.failed`: one per failed point (payload: reason `crashed`, the error), from
   whichever path ends it: the flow's own `except` (an error it caught), its `on_crashed` hook (the
@@ -24,7 +24,7 @@ from prefect.events import emit_event
 
 from pinned_eval.events import EVENT_FAILED, EVENT_MEASURED, EVENT_REGRESSED, EVENT_SKIPPED, point_resource
 from pinned_eval.scoring.regression import Regression, RegressionRule
-from pinned_eval.sinks import JsonlSink
+from pinned_eval.sinks import Ledger
 
 
 def emit_measured(
@@ -39,7 +39,7 @@ def emit_measured(
         get_run_logger().warning("regression rule set but no JSONL sink: no history to compare %s/step-%d", run, step)
         return []
     history: dict[str, list[tuple[int, dict[str, float]]]] = {}
-    for row in JsonlSink(jsonl_path).read(run):
+    for row in Ledger(jsonl_path).read(run):
         if row.state == "measured" and row.dataset is not None and row.step != step:
             history.setdefault(row.dataset, []).append((row.step, row.metrics))
     found = []
