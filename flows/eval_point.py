@@ -88,10 +88,16 @@ def eval_point(
     under the staging block's `all_source_roots()`.
     """
     PointRequest(  # validates every parameter, naming the offending field, before anything runs
-        run=run, step=step, source=source, final=final, posture=posture, policy=policy,
-        max_in_flight=max_in_flight, export_time_seconds=export_time_seconds,
+        run=run,
+        step=step,
+        source=source,
+        final=final,
+        posture=posture,
+        policy=policy,
+        max_in_flight=max_in_flight,
+        export_time_seconds=export_time_seconds,
         backend_block=backend_block,
-    )  # fmt: skip
+    )
     quiet_expected_skips()  # a task's EvalSkipped: INFO, no traceback (the WARNING names it)
     started = time.monotonic()
     sinks_block: SinksBlock | None = None
@@ -113,8 +119,16 @@ def eval_point(
                 snapshot = check_snapshot_task(snapshot, store, cfg.staging.s3_options()) if snapshot else None
                 measured = MEASURES[posture](cfg, MeasureInput(run, step, snapshot, datasets, rows))
             exported = snapshot.export_time_seconds if snapshot else None
-            return record_measured(run, step, measured, not_due, cfg.suite, cfg.sinks, started=started,
-                                   export_time_seconds=exported or export_time_seconds)  # fmt: skip
+            return record_measured(
+                run,
+                step,
+                measured,
+                not_due,
+                cfg.suite,
+                cfg.sinks,
+                started=started,
+                export_time_seconds=exported or export_time_seconds,
+            )
     except EvalSkipped as skip:
         return record_skipped(run, step, skip, sinks_block)
     except Exception as exc:
@@ -122,8 +136,9 @@ def eval_point(
         raise
     finally:
         if store is not None and staging_block is not None and sinks_block is not None:
-            retire_owned(staging_block, sinks_block.jsonl_path, run, step, snapshot=snapshot, source=source,
-                         store=store)  # fmt: skip
+            retire_owned(
+                staging_block, sinks_block.jsonl_path, run, step, snapshot=snapshot, source=source, store=store
+            )
 
 
 def _confine_and_tag(source: SnapshotSource | None, staging: StagingBlock, run: str, step: int) -> None:
@@ -138,8 +153,13 @@ def _load_point_blocks(
     sinks: SinksBlock, staging: StagingBlock, suite: str, fleet: str, posture: Posture, backend_block: str | None
 ) -> PointConfig:
     backend = load_block(ExternalBackendBlock, backend_block) if posture is Posture.EXTERNAL and backend_block else None
-    return PointConfig(suite=load_block(EvalSuiteBlock, suite), fleet=load_block(FleetBlock, fleet), staging=staging,
-                       sinks=sinks, backend=backend)  # fmt: skip
+    return PointConfig(
+        suite=load_block(EvalSuiteBlock, suite),
+        fleet=load_block(FleetBlock, fleet),
+        staging=staging,
+        sinks=sinks,
+        backend=backend,
+    )
 
 
 class _PastDeadline(TimeoutError):

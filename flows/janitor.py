@@ -158,8 +158,9 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str] | None:
     if source is not None and source.owned:
         try:  # an unsafe root or path is refused; the point is still recorded as crashed
             block = cast(StagingBlock, StagingBlock.load(params.get("staging", "default")))
-            done = retire_owned(block, sinks.jsonl_path, point.run, point.step, source=source, as_task=False,
-                                lenient=True)
+            done = retire_owned(
+                block, sinks.jsonl_path, point.run, point.step, source=source, as_task=False, lenient=True
+            )
             retired += [done.path] if done is not None else []
         except StagingPathError as exc:
             logger.error("janitor: snapshot of %s not retired: %s", point.name, exc)
@@ -242,8 +243,15 @@ def janitor(
                 continue
             state = (fr.state.name or fr.state.type.value) if fr.state else "Pending"
             stuck.append(
-                StuckPoint(flow_run_id=str(fr.id), name=fr.name or flow_run_name(r, step), run=r, step=step,
-                           state=state, last_activity=seen, quiet_seconds=quiet)
+                StuckPoint(
+                    flow_run_id=str(fr.id),
+                    name=fr.name or flow_run_name(r, step),
+                    run=r,
+                    step=step,
+                    state=state,
+                    last_activity=seen,
+                    quiet_seconds=quiet,
+                )
             )
     report = JanitorReport()
     for point in stuck:

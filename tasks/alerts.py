@@ -48,9 +48,17 @@ def emit_measured(
         if regression is not None:
             found.append(regression)
             emit_event(EVENT_REGRESSED, resource=point_resource(run, step, ds), payload=regression.model_dump())
-            get_run_logger().warning("%s/step-%d %s regressed: %s %.4f, %s %.4f at step %d", run, step, ds,
-                                     regression.metric, regression.value, rule.baseline, regression.baseline,
-                                     regression.baseline_step)  # fmt: skip
+            get_run_logger().warning(
+                "%s/step-%d %s regressed: %s %.4f, %s %.4f at step %d",
+                run,
+                step,
+                ds,
+                regression.metric,
+                regression.value,
+                rule.baseline,
+                regression.baseline,
+                regression.baseline_step,
+            )
     return found
 
 
@@ -61,5 +69,9 @@ def emit_skipped(run: str, step: int, reason: str, message: str) -> None:
 def emit_failed(run: str, step: int, error: str, flow_run_id: str | None = None) -> None:
     """`failed` for the point; `flow_run_id`: the point's flow run, when emitted outside it."""
     related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}]
-    emit_event(EVENT_FAILED, resource=point_resource(run, step), related=related if flow_run_id else None,
-               payload={"reason": "crashed", "error": error[:1000]})  # fmt: skip
+    emit_event(
+        EVENT_FAILED,
+        resource=point_resource(run, step),
+        related=related if flow_run_id else None,
+        payload={"reason": "crashed", "error": error[:1000]},
+    )

@@ -63,9 +63,10 @@ def evaluate_external(
     eval_input = EvalInput(run=run, step=step, hf_dir=checkpoint_dir, suite=suite)
     host = os.environ.get(HOST_ENV)
     results = (
-        evaluate_hosted(host, backend, options, checkpoint_dir, eval_input) if host
+        evaluate_hosted(host, backend, options, checkpoint_dir, eval_input)
+        if host
         else _evaluate_here(backend, options, checkpoint_dir, eval_input)
-    )  # fmt: skip
+    )
     metrics = results_to_metrics(results, eval_input)
     if record_samples:
         record_point_samples(run, step, results.data)

@@ -61,8 +61,9 @@ def log_point(
     their retries. `flow_run_id`: the point's flow run (default: the one this task runs in)."""
     logger = get_run_logger()
     flow_run_id = flow_run_id or _flow_run_id()
-    record = PointRecord(run, step, [r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows], flow_run_id,
-                         samples)  # fmt: skip
+    record = PointRecord(
+        run, step, [r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows], flow_run_id, samples
+    )
     ledger = Ledger(sinks.jsonl_path) if sinks.jsonl_path else None
     if ledger is not None:
         ledger.write_point(record.rows)
@@ -74,8 +75,14 @@ def log_point(
     finally:
         close_all(exporters)
     for sink, error in errors.items():
-        logger.warning("sink %s failed for %s/step-%d after %d attempts; the point keeps its outcome: %s",
-                       sink, run, step, SINK_ATTEMPTS, error)  # fmt: skip
+        logger.warning(
+            "sink %s failed for %s/step-%d after %d attempts; the point keeps its outcome: %s",
+            sink,
+            run,
+            step,
+            SINK_ATTEMPTS,
+            error,
+        )
     if errors and ledger is not None:
         ledger.write_point([with_sink_errors(r, errors) for r in record.rows])
     logger.info("logged %s/step-%d: %s", run, step, record.rows[0].state)

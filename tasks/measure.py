@@ -68,8 +68,9 @@ def measure_external(cfg: PointConfig, point: MeasureInput) -> Measured:
         raise ValueError("external posture: needs a snapshot and backend_block")
     backend, options = cfg.backend.configuration()
     with pin_lock(backend_lock_name(backend, options)):
-        metrics = evaluate_external(backend, str(point.snapshot.local_path), point.run, point.step, cfg.suite.suite,
-                                    options)  # fmt: skip
+        metrics = evaluate_external(
+            backend, str(point.snapshot.local_path), point.run, point.step, cfg.suite.suite, options
+        )
     return Measured(metrics, None)
 
 
@@ -83,8 +84,9 @@ def _verify(cfg: PointConfig, point: MeasureInput) -> None:
     verify_shared(cfg.fleet, str(point.step))
 
 
-def _generate_and_score(cfg: PointConfig, point: MeasureInput, prepare: Callable[[PointConfig, MeasureInput], None],
-                        cache: bool) -> Measured:  # fmt: skip
+def _generate_and_score(
+    cfg: PointConfig, point: MeasureInput, prepare: Callable[[PointConfig, MeasureInput], None], cache: bool
+) -> Measured:
     run, step, snapshot, datasets, rows = point
     version = str(step)
     lora = version if snapshot is not None and snapshot.adapter else None
@@ -92,16 +94,22 @@ def _generate_and_score(cfg: PointConfig, point: MeasureInput, prepare: Callable
     results = cfg.sinks.results_store()
     key = None
     if cache and results is not None and snapshot is not None:
-        key = generation_key(snapshot_digest(str(snapshot.local_path)), version, datasets, rows, tokenizer_dir,
-                             snapshot.lora_base)  # fmt: skip
+        key = generation_key(
+            snapshot_digest(str(snapshot.local_path)), version, datasets, rows, tokenizer_dir, snapshot.lora_base
+        )
     generations = cached_generations(results, run, step, key) if results is not None and key else None
     if generations is None:
         with pin_lock(cfg.fleet.lock_name):
             prepare(cfg, point)
             generations = generate(
-                cfg.fleet, datasets, rows, version, rid_prefix=f"{run}-{step}", tokenizer_dir=tokenizer_dir,
+                cfg.fleet,
+                datasets,
+                rows,
+                version,
+                rid_prefix=f"{run}-{step}",
+                tokenizer_dir=tokenizer_dir,
                 lora_path=lora,
-            )  # fmt: skip
+            )
         if results is not None and key:
             store_generations(results, run, step, key, generations)
     per_dataset, samples = score(generations, datasets, cfg.suite.suite, step, key)

@@ -91,8 +91,9 @@ def owned_snapshot(source: SnapshotSource | None, store: Staging, run: str, step
     return Snapshot(path=store.path_for(run, step), owned=True, kind=source.kind)
 
 
-def keep_best_protection(staging: StagingBlock, run: str, jsonl_path: str | None, *, lenient: bool = False
-                         ) -> frozenset[int] | None:  # fmt: skip
+def keep_best_protection(
+    staging: StagingBlock, run: str, jsonl_path: str | None, *, lenient: bool = False
+) -> frozenset[int] | None:
     """The steps a retire of `run` keeps beyond the ring (None without keep_best); `lenient`: None
     (the retire deletes nothing) instead of ValueError when keep_best has no ledger, logged."""
     try:

@@ -53,8 +53,9 @@ def store_generations(store: ResultsStore, run: str, step: int, key: str, genera
         table = generations_table((generation_row(g.model_dump()) for g in generations), key)
         store.write(run, step, GENERATIONS, table)
     except Exception as exc:  # the cache is an optimisation: the point goes on, uncached, and says so
-        get_run_logger().warning("generations of %s/step-%d not stored (a rerun will regenerate): %s: %s",
-                                 run, step, type(exc).__name__, exc)  # fmt: skip
+        get_run_logger().warning(
+            "generations of %s/step-%d not stored (a rerun will regenerate): %s: %s", run, step, type(exc).__name__, exc
+        )
 
 
 def write_samples(

@@ -1,4 +1,4 @@
-"""Score task: rewards per sample and the metrics per dataset (docs/architecture.md, "Metrics").
+"""Score task: rewards per sample and the metrics per dataset (docs/metrics.md).
 
 Contract: a reward function that raises propagates (the point crashes: `skipped_crashed`,
 Failed run); a reward returning None counts in `-none_reward_ratio`. Rewards get the row's

@@ -36,8 +36,25 @@ from pinned_eval.sinks.ledger import JsonlSink, Ledger, MetricRow
 from pinned_eval.sinks.wandb import WandbWriter, log_to_wandb, shared_writer_settings, wandb_eval_run_id
 
 __all__ = [
-    "EXPORTERS", "SINK_ATTEMPTS", "SINK_FAILED", "BaseExporter", "Exporter", "JsonlSink", "Ledger", "MetricRow",
-    "PointRecord", "PointSamples", "SinkSettings", "WandbWriter", "attempt_sink", "build_exporters", "close_all",
-    "export_all", "log_to_wandb", "register_exporter", "shared_writer_settings", "wandb_eval_run_id",
+    "EXPORTERS",
+    "SINK_ATTEMPTS",
+    "SINK_FAILED",
+    "BaseExporter",
+    "Exporter",
+    "JsonlSink",
+    "Ledger",
+    "MetricRow",
+    "PointRecord",
+    "PointSamples",
+    "SinkSettings",
+    "WandbWriter",
+    "attempt_sink",
+    "build_exporters",
+    "close_all",
+    "export_all",
+    "log_to_wandb",
+    "register_exporter",
+    "shared_writer_settings",
+    "wandb_eval_run_id",
     "with_sink_errors",
 ]

@@ -27,8 +27,16 @@ from pinned_eval.sinks.exporters import BaseExporter, PointRecord, SinkSettings,
 
 WandbWriter = Literal["eval_run", "shared"]
 
-WANDB_SAMPLE_COLUMNS = ("example_id", "sample_index", "prompt", "response", "reward", "finish_reason",
-                        "completion_tokens", "weight_version")  # fmt: skip
+WANDB_SAMPLE_COLUMNS = (
+    "example_id",
+    "sample_index",
+    "prompt",
+    "response",
+    "reward",
+    "finish_reason",
+    "completion_tokens",
+    "weight_version",
+)
 
 
 def wandb_eval_run_id(training_run_id: str) -> str:
@@ -65,8 +73,14 @@ def log_to_wandb(
     import wandb  # wandb: optional extra, slow import
 
     if writer == "shared":
-        wb = wandb.init(project=project, entity=entity, id=run_id, dir=directory, reinit="create_new",
-                        settings=shared_writer_settings(label))  # fmt: skip
+        wb = wandb.init(
+            project=project,
+            entity=entity,
+            id=run_id,
+            dir=directory,
+            reinit="create_new",
+            settings=shared_writer_settings(label),
+        )
     else:
         wb = wandb.init(
             project=project,
@@ -109,11 +123,17 @@ class WandbConfig(BaseModel):
         """None when W&B is off (no project, or mode `disabled`)."""
         if not settings.wandb_project or settings.wandb_mode == "disabled":
             return None
-        return cls.model_validate({
-            "project": settings.wandb_project, "entity": settings.wandb_entity, "run_id": settings.wandb_run_id,
-            "writer": settings.wandb_writer, "mode": settings.wandb_mode, "directory": settings.wandb_dir,
-            "samples_per_dataset": settings.wandb_samples_per_dataset,
-        })
+        return cls.model_validate(
+            {
+                "project": settings.wandb_project,
+                "entity": settings.wandb_entity,
+                "run_id": settings.wandb_run_id,
+                "writer": settings.wandb_writer,
+                "mode": settings.wandb_mode,
+                "directory": settings.wandb_dir,
+                "samples_per_dataset": settings.wandb_samples_per_dataset,
+            }
+        )
 
 
 class WandbExporter(BaseExporter):
@@ -150,8 +170,9 @@ class WandbExporter(BaseExporter):
         if self.store is None or n == 0 or not self.store.exists(run, step, SAMPLES):
             return {}
         tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
-        rows = sorted(self.store.read(run, step, SAMPLES).to_pylist(),
-                      key=lambda r: (r["example_id"], r["sample_index"]))  # fmt: skip
+        rows = sorted(
+            self.store.read(run, step, SAMPLES).to_pylist(), key=lambda r: (r["example_id"], r["sample_index"])
+        )
         for r in rows:
             _, data = tables.setdefault(f"eval/samples/{r['dataset']}", (list(WANDB_SAMPLE_COLUMNS), []))
             if len(data) < n:

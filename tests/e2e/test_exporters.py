@@ -34,26 +34,55 @@ STEP = 4
 
 
 def _sample_row(ds: str, example: int, sample: int, reward: float) -> dict[str, Any]:
-    return {"dataset": ds, "example_id": example, "sample_index": sample, "prompt": f"{example}+1=",
-            "response": f"{example + 1}", "reward": reward, "label": json.dumps(str(example + 1)),
-            "metadata": "{}", "weight_version": str(STEP), "finish_reason": "stop", "prompt_tokens": 3,
-            "completion_tokens": 1}
+    return {
+        "dataset": ds,
+        "example_id": example,
+        "sample_index": sample,
+        "prompt": f"{example}+1=",
+        "response": f"{example + 1}",
+        "reward": reward,
+        "label": json.dumps(str(example + 1)),
+        "metadata": "{}",
+        "weight_version": str(STEP),
+        "finish_reason": "stop",
+        "prompt_tokens": 3,
+        "completion_tokens": 1,
+    }
 
 
-RESULTS = {"add": DatasetResult(rewards=[1.0, 0.0, 1.0], truncated=[False, False, True],
-                                weight_versions=[str(STEP)] * 3, response_lens=[1, 1, 8])}
+RESULTS = {
+    "add": DatasetResult(
+        rewards=[1.0, 0.0, 1.0],
+        truncated=[False, False, True],
+        weight_versions=[str(STEP)] * 3,
+        response_lens=[1, 1, 8],
+    )
+}
 SAMPLE_ROWS = [_sample_row("add", 0, 0, 1.0), _sample_row("add", 1, 0, 0.0), _sample_row("add", 2, 0, 1.0)]
 
 
 def _sinks(tmp_path: Path) -> SinksBlock:
-    return SinksBlock(jsonl_path=str(tmp_path / "metrics.jsonl"), results_root=str(tmp_path / "results"),
-                      wandb_project="p", wandb_mode="offline", wandb_dir=str(tmp_path / "wandb"),
-                      wandb_samples_per_dataset=2)
+    return SinksBlock(
+        jsonl_path=str(tmp_path / "metrics.jsonl"),
+        results_root=str(tmp_path / "results"),
+        wandb_project="p",
+        wandb_mode="offline",
+        wandb_dir=str(tmp_path / "wandb"),
+        wandb_samples_per_dataset=2,
+    )
 
 
 def _record(run: str) -> PointRecord:
-    rows = [MetricRow(run=run, step=STEP, dataset="add", state="measured", weight_version=str(STEP),
-                      metrics={"eval/add": 0.6667, "eval/step": STEP})]
+    rows = [
+        MetricRow(
+            run=run,
+            step=STEP,
+            dataset="add",
+            state="measured",
+            weight_version=str(STEP),
+            metrics={"eval/add": 0.6667, "eval/step": STEP},
+        )
+    ]
     return PointRecord(run, STEP, rows, None, PointSamples(results=RESULTS, rows=SAMPLE_ROWS, key="k1"))
 
 
@@ -94,13 +123,21 @@ def _read_artifacts(sinks: SinksBlock, record: PointRecord) -> None:
     assert _data(point) == [
         {"dataset": "add", "state": "measured", "reason": "", "eval/add": 0.6667, "eval/step": STEP}
     ]
-    assert point.description == (f"eval point {record.run}/step-{STEP}; samples: "
-                                  f"[{store.url(record.run, STEP, SAMPLES)}]({store.link(record.run, STEP, SAMPLES)})")
+    assert point.description == (
+        f"eval point {record.run}/step-{STEP}; samples: "
+        f"[{store.url(record.run, STEP, SAMPLES)}]({store.link(record.run, STEP, SAMPLES)})"
+    )
     history = Artifact.get(history_artifact_key(record.run))
     assert history is not None
     assert _data(history) == [
-        {"step": STEP, "state": "measured", "reason": "", "weight_version": str(STEP), "lag_steps": "",
-         "eval/add": 0.6667}
+        {
+            "step": STEP,
+            "state": "measured",
+            "reason": "",
+            "weight_version": str(STEP),
+            "lag_steps": "",
+            "eval/add": 0.6667,
+        }
     ]
 
 
@@ -111,14 +148,20 @@ def _export_in_a_flow_run(exporter: Any, record: Any, hold: Any) -> dict[str, st
 
 
 READ_BACK: dict[str, Callable[[SinksBlock, PointRecord], None]] = {
-    "results": _read_results, "samples": _read_samples, "wandb": _read_wandb, "artifacts": _read_artifacts,
+    "results": _read_results,
+    "samples": _read_samples,
+    "wandb": _read_wandb,
+    "artifacts": _read_artifacts,
 }
 
 
 def test_every_exporter_is_read_back() -> None:
     assert sorted(EXPORTERS) == sorted(READ_BACK)
     assert [name for name, _ in sorted(EXPORTERS.items(), key=lambda kv: kv[1].order)] == [
-        "results", "samples", "wandb", "artifacts"  # the samples file before those that read or link it
+        "results",
+        "samples",
+        "wandb",
+        "artifacts",  # the samples file before those that read or link it
     ]
 
 
@@ -187,10 +230,18 @@ def test_a_sinks_block_saved_with_todays_fields_loads_and_builds_every_exporter(
     prefect_server: str, tmp_path: Path
 ) -> None:
     name = f"sinks-{uuid.uuid4().hex[:8]}"
-    fields = {"jsonl_path": str(tmp_path / "m.jsonl"), "wandb_project": "proj", "wandb_entity": "team",
-              "wandb_run_id": "train-7", "wandb_writer": "eval_run", "wandb_mode": "offline",
-              "wandb_dir": str(tmp_path / "wandb"), "results_root": str(tmp_path / "results"),
-              "results_endpoint_url": None, "wandb_samples_per_dataset": 3}
+    fields = {
+        "jsonl_path": str(tmp_path / "m.jsonl"),
+        "wandb_project": "proj",
+        "wandb_entity": "team",
+        "wandb_run_id": "train-7",
+        "wandb_writer": "eval_run",
+        "wandb_mode": "offline",
+        "wandb_dir": str(tmp_path / "wandb"),
+        "results_root": str(tmp_path / "results"),
+        "results_endpoint_url": None,
+        "wandb_samples_per_dataset": 3,
+    }
     SinksBlock(**fields).save(name)
     loaded = cast(SinksBlock, SinksBlock.load(name))
     assert loaded.model_dump(include=set(fields)) == fields
