@@ -8,14 +8,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from pinned_eval.external import DatasetResult
-from pinned_eval.results.store import ResultsStore
 from pinned_eval.sinks.ledger import MetricRow
+
+if TYPE_CHECKING:  # pyarrow: the trainer side reads the ledger without it
+    from pinned_eval.results.store import ResultsStore
 
 SINK_ATTEMPTS = 3  # per exporter; waits 0.5 s, 1 s between attempts
 SINK_FAILED = "eval/sink_failed_"  # + exporter name: 1.0 on the ledger rows of a point it failed

@@ -18,12 +18,14 @@ read from the point's samples file. The `wandb` package is imported only when a 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pinned_eval.results.store import SAMPLES, ResultsStore
 from pinned_eval.sinks.exporters import BaseExporter, PointRecord, SinkSettings, register_exporter
+
+if TYPE_CHECKING:
+    from pinned_eval.results.store import ResultsStore
 
 WandbWriter = Literal["eval_run", "shared"]
 
@@ -166,6 +168,8 @@ class WandbExporter(BaseExporter):
 
     def sample_tables(self, run: str, step: int) -> dict[str, tuple[list[str], list[list[Any]]]]:
         """`eval/samples/<ds>` from the point's samples file; none without a store, a count or the file."""
+        from pinned_eval.results.store import SAMPLES  # pyarrow: slow import, only when a point is logged
+
         n = self.config.samples_per_dataset
         if self.store is None or n == 0 or not self.store.exists(run, step, SAMPLES):
             return {}
