@@ -50,19 +50,29 @@ __all__ = ["PointConfig", "eval_point", "point_deadline", "retire_on_crash"]
 
 
 def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
-    """`on_crashed` hook (runs in the worker when the flow-run process dies): alert, record, retire.
+    """`on_crashed` hook (runs in the worker when the flow-run process dies): alert, retire, record.
 
     It emits the run's one `pinned-eval.point.failed` (see `tasks.alerts`), first, so the alert
-    goes out even when recording or retiring fails; the record is the ledger row only (no flow
+    goes out even when retiring or recording fails; the record is the ledger row only (no flow
     run to export from)."""
     params = flow_run.parameters
     run, step = params["run"], int(params["step"])
-    sinks = load_block(SinksBlock, params.get("sinks", "default"))
-    record_failed(run, step, state.message or "crashed", sinks, flow_run_id=str(flow_run.id), export=False)
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
-    if source is not None and source.owned:
-        staging = load_block(StagingBlock, params.get("staging", "default"))
-        retire_owned(staging, sinks.jsonl_path, run, step, source=source, as_task=False)
+
+    def retire(sinks: SinksBlock) -> None:
+        if source is not None and source.owned:
+            staging = load_block(StagingBlock, params.get("staging", "default"))
+            retire_owned(staging, sinks.jsonl_path, run, step, source=source, as_task=False)
+
+    record_failed(
+        run,
+        step,
+        state.message or "crashed",
+        lambda: load_block(SinksBlock, params.get("sinks", "default")),
+        flow_run_id=str(flow_run.id),
+        export=False,
+        retire=retire,
+    )
 
 
 @flow(name="eval-point", flow_run_name="{run}/step-{step}", on_crashed=[retire_on_crash])

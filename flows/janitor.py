@@ -14,9 +14,9 @@ point is never quiet for longer than that. Keep `heartbeat_window_s` at 3x the f
 (default 600 s); with heartbeats disabled the window must exceed the longest single task.
 
 A point quiet for longer than the window is stuck: its run is set to Crashed (message says
-why), `pinned-eval.point.failed` is emitted (the point's flow run related), `skipped_crashed` is
-recorded at its step (ledger row with the point's flow-run id, then the exporters: the point's
-artifacts, W&B when configured), and its owned snapshot is retired (keep-ring). The Crashed transition is
+why), `pinned-eval.point.failed` is emitted (the point's flow run related), its owned snapshot is
+retired (keep-ring), and `skipped_crashed` is recorded at its step (ledger row with the point's
+flow-run id, then the exporters: the point's artifacts, W&B when configured). The Crashed transition is
 not forced: the server refuses it once the run is terminal (ended by its `on_crashed` hook, or by
 another janitor pass that read it Running too), and the janitor then does nothing more for that
 point, so each crash is recorded and alerted once.
@@ -135,9 +135,9 @@ def _protect(staging: StagingBlock, run: str, sinks: str) -> frozenset[int] | No
 
 @task(cache_policy=NO_CACHE, task_run_name="crash-{point.name}")
 def crash_point(point: StuckPoint, window_s: float) -> list[str] | None:
-    """Set the stuck run Crashed, record it (`tasks.outcome.record_failed`: emit `failed`, then
-    `skipped_crashed` in the ledger and the exporters), retire its owned snapshot (returned); None,
-    and nothing done, when the server refuses the transition (the run ended meanwhile)."""
+    """Set the stuck run Crashed and record it (`tasks.outcome.record_failed`: emit `failed`,
+    retire its owned snapshot (returned), then `skipped_crashed` in the ledger and the exporters);
+    None, and nothing done, when the server refuses the transition (the run ended meanwhile)."""
 
     logger = get_run_logger()
     message = (
@@ -151,19 +151,25 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str] | None:
         logger.info("%s ended meanwhile (%s: %s); not crashed", point.name, result.status.value, result.details)
         return None
     params = fr.parameters
-    sinks = cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
-    record_failed(point.run, point.step, message, sinks, flow_run_id=point.flow_run_id)
-    retired: list[str] = []
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
-    if source is not None and source.owned:
+    retired: list[str] = []
+
+    def retire(sinks: SinksBlock) -> None:
+        if source is None or not source.owned:
+            return
         try:  # an unsafe root or path is refused; the point is still recorded as crashed
             block = cast(StagingBlock, StagingBlock.load(params.get("staging", "default")))
             done = retire_owned(
                 block, sinks.jsonl_path, point.run, point.step, source=source, as_task=False, lenient=True
             )
-            retired += [done.path] if done is not None else []
+            retired.extend([done.path] if done is not None else [])
         except StagingPathError as exc:
             logger.error("janitor: snapshot of %s not retired: %s", point.name, exc)
+
+    def load_sinks() -> SinksBlock:
+        return cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
+
+    record_failed(point.run, point.step, message, load_sinks, flow_run_id=point.flow_run_id, retire=retire)
     logger.warning("crashed %s (%s): %s", point.name, point.flow_run_id, message)
     return retired
 

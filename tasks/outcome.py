@@ -9,8 +9,9 @@ and the janitor.
   sinks block loaded), the `skipped` event, and a Completed state named "Skipped" with the
   reason as message;
 - `record_failed`: the `failed` event first (so the alert goes out even when recording fails),
-  then the `skipped_crashed` ledger row and the exporters (`export=False`: the ledger row only, for
-  the `on_crashed` hook, which runs outside any flow run); nothing recorded without a sinks block;
+  then (hook, janitor) the retire of the owned snapshot, then the `skipped_crashed` ledger row and
+  the exporters (`export=False`: the ledger row only, for the `on_crashed` hook, which runs
+  outside any flow run); nothing recorded without a sinks block;
 - `retire_owned`: retire the point's snapshot (the one it exported, or the owned one the trainer
   handed over), keeping the run's best `keep_best` steps ranked from the ledger
   (`StagingBlock.protected_steps`). Without a ledger to rank from, keep-best raises ValueError
@@ -20,6 +21,7 @@ and the janitor.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prefect import get_run_logger
 from prefect.states import Completed, State
@@ -70,17 +72,32 @@ def record_skipped(run: str, step: int, skip: EvalSkipped, sinks: SinksBlock | N
 
 
 def record_failed(
-    run: str, step: int, message: str, sinks: SinksBlock | None, *, flow_run_id: str | None = None, export: bool = True
+    run: str,
+    step: int,
+    message: str,
+    sinks: SinksBlock | Callable[[], SinksBlock] | None,
+    *,
+    flow_run_id: str | None = None,
+    export: bool = True,
+    retire: Callable[[SinksBlock], object] | None = None,
 ) -> None:
-    """`flow_run_id`: the point's flow run, when recorded outside it (hook, janitor)."""
+    """`sinks`: the block, or how to load it (after the event: a block that fails to load does not
+    stop the alert). `flow_run_id`: the point's flow run, when recorded outside it (hook, janitor).
+    `retire`: run between the event and the record (hook, janitor), so a visible record means the
+    snapshot was retired; the record is written even when it raises (then it propagates)."""
     emit_failed(run, step, message, flow_run_id=flow_run_id)
-    if sinks is None:  # the sinks block itself failed to load: nowhere to record
+    block = sinks() if callable(sinks) else sinks
+    if block is None:  # the sinks block itself failed to load: nowhere to record
         return
-    rows = skip_rows(run, step, SkipReason.CRASHED, message, failed=True)
-    if export:
-        log_point(run, step, rows, sinks, flow_run_id=flow_run_id)
-    elif sinks.jsonl_path:
-        Ledger(sinks.jsonl_path).write_point([r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows])
+    try:
+        if retire is not None:
+            retire(block)
+    finally:
+        rows = skip_rows(run, step, SkipReason.CRASHED, message, failed=True)
+        if export:
+            log_point(run, step, rows, block, flow_run_id=flow_run_id)
+        elif block.jsonl_path:
+            Ledger(block.jsonl_path).write_point([r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows])
 
 
 def owned_snapshot(source: SnapshotSource | None, store: Staging, run: str, step: int) -> Snapshot | None:
