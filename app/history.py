@@ -29,7 +29,7 @@ from blocks import SinksBlock
 from flows.point_runs import point_flow_runs
 from pinned_eval.inflight import TERMINAL
 from pinned_eval.points import Outcome, history_artifact_key, outcome_of, reason_of
-from pinned_eval.sinks import JsonlSink, MetricRow
+from pinned_eval.sinks import Ledger, MetricRow
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
@@ -254,7 +254,7 @@ def read_history(run: str, *, client: SyncPrefectClient | None = None) -> RunHis
     by_age = sorted(records, key=lambda r: r.created)
     sinks_of_step = {r.step: str(r.parameters.get("sinks", "default")) for r in by_age}
     paths = {name: _jsonl_path(name) for name in set(sinks_of_step.values()) | {"default"}}
-    jsonl_rows = [row for p in {p for p in paths.values() if p} for row in JsonlSink(p).read(run)]
+    jsonl_rows = [row for p in {p for p in paths.values() if p} for row in Ledger(p).read(run)]
     rows_by_step: dict[int, list[MetricRow]] = defaultdict(list)
     for row in jsonl_rows:
         rows_by_step[row.step].append(row)

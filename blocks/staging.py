@@ -17,7 +17,7 @@ from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
-from pinned_eval.sinks import JsonlSink
+from pinned_eval.sinks import Ledger
 from pinned_eval.snapshot.keep_best import KeepBestMode, best_steps
 from pinned_eval.snapshot.layout import s3_storage_options
 from pinned_eval.snapshot.staging import Staging
@@ -90,7 +90,7 @@ class StagingBlock(Block):
         if not jsonl_path:
             raise ValueError("keep_best: ranks steps from the sinks block's jsonl_path, which is not set")
         assert self.keep_best_metric is not None  # validated above
-        rows = JsonlSink(jsonl_path).read(run)
+        rows = Ledger(jsonl_path).read(run)
         return best_steps(rows, run, self.keep_best_metric, self.keep_best, self.keep_best_mode)
 
     def all_source_roots(self) -> list[str]:

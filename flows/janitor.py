@@ -14,15 +14,15 @@ point is never quiet for longer than that. Keep `heartbeat_window_s` at 3x the f
 (default 600 s); with heartbeats disabled the window must exceed the longest single task.
 
 A point quiet for longer than the window is stuck: its run is set to Crashed (message says
-why), its owned snapshot is retired (keep-ring), `skipped_crashed` is recorded at its step
-(JSONL row with the point's flow-run id, the point's artifacts, W&B when configured), and
-`pinned-eval.point.failed` is emitted (the point's flow run related). The Crashed transition is
+why), `pinned-eval.point.failed` is emitted (the point's flow run related), its owned snapshot is
+retired (keep-ring), and `skipped_crashed` is recorded at its step (ledger row with the point's
+flow-run id, then the exporters: the point's artifacts, W&B when configured). The Crashed transition is
 not forced: the server refuses it once the run is terminal (ended by its `on_crashed` hook, or by
 another janitor pass that read it Running too), and the janitor then does nothing more for that
 point, so each crash is recorded and alerted once.
 
 Every retire passes the staging block's best-K steps (`StagingBlock.protected_steps`, ranked from
-the JSONL file of the point's sinks block, `default` for a snapshot no flow run names), as the
+the ledger of the point's sinks block, `default` for a snapshot no flow run names), as the
 flow does, so a janitor pass trims the keep-ring and keeps the best K. A keep_best block whose
 sinks have no JSONL file: logged, and the retire deletes nothing (`Staging.retire`).
 
@@ -61,14 +61,11 @@ from prefect.states import Crashed
 from pydantic import BaseModel, Field
 
 from blocks import SinksBlock, StagingBlock
-from flows.alerts import emit_failed
 from flows.point_runs import point_flow_runs
 from pinned_eval.inflight import POINT_FLOW, in_flight
 from pinned_eval.points import SnapshotSource, flow_run_name
-from pinned_eval.sinks import JsonlSink
-from pinned_eval.skips import SkipReason
 from pinned_eval.snapshot.staging import StagingPathError
-from tasks.log import log_point, skip_rows
+from tasks.outcome import keep_best_protection, record_failed, retire_owned
 
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 
@@ -123,23 +120,24 @@ def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRu
 
 
 def _protect(staging: StagingBlock, run: str, sinks: str) -> frozenset[int] | None:
-    """The best-K steps a retire of `run` keeps (None without keep_best), ranked from the JSONL
-    file of sinks block `sinks`; None too (the retire deletes nothing) when keep_best cannot rank
-    them (no such block, no JSONL file), logged."""
+    """The best-K steps a retire of `run` keeps (None without keep_best), ranked from the ledger
+    of sinks block `sinks`; None too (the retire deletes nothing) when keep_best cannot rank
+    them (no such block, no ledger), logged."""
     if not staging.keep_best:
         return None
     try:
-        return staging.protected_steps(run, cast(SinksBlock, SinksBlock.load(sinks)).jsonl_path)
+        jsonl_path = cast(SinksBlock, SinksBlock.load(sinks)).jsonl_path
     except ValueError as exc:
         get_run_logger().error("janitor: %s: nothing of run %s deleted", exc, run)
         return None
+    return keep_best_protection(staging, run, jsonl_path, lenient=True)
 
 
 @task(cache_policy=NO_CACHE, task_run_name="crash-{point.name}")
 def crash_point(point: StuckPoint, window_s: float) -> list[str] | None:
-    """Set the stuck run Crashed, emit `failed`, retire its owned snapshot (returned), record
-    `skipped_crashed`; None, and nothing done, when the server refuses the transition (the run
-    ended meanwhile)."""
+    """Set the stuck run Crashed and record it (`tasks.outcome.record_failed`: emit `failed`,
+    retire its owned snapshot (returned), then `skipped_crashed` in the ledger and the exporters);
+    None, and nothing done, when the server refuses the transition (the run ended meanwhile)."""
 
     logger = get_run_logger()
     message = (
@@ -152,25 +150,26 @@ def crash_point(point: StuckPoint, window_s: float) -> list[str] | None:
     if result.status is not SetStateStatus.ACCEPT:
         logger.info("%s ended meanwhile (%s: %s); not crashed", point.name, result.status.value, result.details)
         return None
-    emit_failed(point.run, point.step, message, flow_run_id=point.flow_run_id)
     params = fr.parameters
-    retired: list[str] = []
-    sinks = cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
     source = SnapshotSource.model_validate(params["source"]) if params.get("source") else None
-    if source is not None and source.owned:
+    retired: list[str] = []
+
+    def retire(sinks: SinksBlock) -> None:
+        if source is None or not source.owned:
+            return
         try:  # an unsafe root or path is refused; the point is still recorded as crashed
             block = cast(StagingBlock, StagingBlock.load(params.get("staging", "default")))
-            staging = block.staging()
-            path = staging.path_for(point.run, point.step)
-            staging.retire(path, owned=True, protect=_protect(block, point.run, params.get("sinks", "default")))
-            retired.append(path)
+            done = retire_owned(
+                block, sinks.jsonl_path, point.run, point.step, source=source, as_task=False, lenient=True
+            )
+            retired.extend([done.path] if done is not None else [])
         except StagingPathError as exc:
             logger.error("janitor: snapshot of %s not retired: %s", point.name, exc)
-    rows = skip_rows(point.run, point.step, SkipReason.CRASHED, message, failed=True)
-    if sinks.jsonl_path:
-        JsonlSink(sinks.jsonl_path).write_point([r.model_copy(update={"flow_run_id": point.flow_run_id}) for r in rows])
-    # artifacts (and W&B) through the point's own log task; the JSONL row above keeps the point's id
-    log_point(point.run, point.step, rows, sinks.model_copy(update={"jsonl_path": None}))
+
+    def load_sinks() -> SinksBlock:
+        return cast(SinksBlock, SinksBlock.load(params.get("sinks", "default")))
+
+    record_failed(point.run, point.step, message, load_sinks, flow_run_id=point.flow_run_id, retire=retire)
     logger.warning("crashed %s (%s): %s", point.name, point.flow_run_id, message)
     return retired
 
@@ -189,7 +188,7 @@ def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live:
         return report
     now = datetime.now(UTC).timestamp()
     runs_cache: dict[str, dict[int, list[FlowRun]]] = {}
-    protect_cache: dict[tuple[str, str], frozenset[int] | None] = {}  # one JSONL ranking per (run, sinks)
+    protect_cache: dict[tuple[str, str], frozenset[int] | None] = {}  # one ledger ranking per (run, sinks)
     with get_client(sync_client=True) as client:
         for snap in staging.list(run):
             if snap.retired:
@@ -250,8 +249,15 @@ def janitor(
                 continue
             state = (fr.state.name or fr.state.type.value) if fr.state else "Pending"
             stuck.append(
-                StuckPoint(flow_run_id=str(fr.id), name=fr.name or flow_run_name(r, step), run=r, step=step,
-                           state=state, last_activity=seen, quiet_seconds=quiet)
+                StuckPoint(
+                    flow_run_id=str(fr.id),
+                    name=fr.name or flow_run_name(r, step),
+                    run=r,
+                    step=step,
+                    state=state,
+                    last_activity=seen,
+                    quiet_seconds=quiet,
+                )
             )
     report = JanitorReport()
     for point in stuck:

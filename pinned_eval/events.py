@@ -53,7 +53,7 @@ def post_events(api_url: str, events: list[dict[str, Any]], *, client: httpx.Cli
             http.close()
 
 
-# ---- outcome events (emitted by the eval-point flow; `flows.alerts`) ---------------------------
+# ---- outcome events (emitted by the eval-point flow; `tasks.alerts`) ---------------------------
 
 EVENT_MEASURED = "pinned-eval.point.measured"
 EVENT_SKIPPED = "pinned-eval.point.skipped"

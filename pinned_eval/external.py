@@ -1,6 +1,6 @@
 """The external posture's contract: a black box takes a checkpoint directory and returns results.
 
-`CheckpointEvalFn` (miles' contract, DESIGN §5):
+`CheckpointEvalFn` (miles' contract; docs/examples.md, "External posture"):
 - constructed with keyword options only (JSON-able values: they travel as flow parameters); the
   constructor prepares the backend (launch, attach, client) and cleans up after itself if it fails;
 - `async evaluate_checkpoint(checkpoint_dir, input) -> EvalResults` measures the weights in
@@ -16,7 +16,7 @@
 `EvalResults.data[ds]` holds one entry per generated sample, in prompt-major order (prompt p,
 replica j at position p*n + j, n = the dataset's `n_samples_per_prompt`): rewards (None = no
 reward), truncated flags, the weight version that generated each sample, and response lengths in
-tokens. `results_to_metrics` turns it into pinned-eval's DESIGN §6 metrics with `dataset_metrics`.
+tokens. `results_to_metrics` turns it into pinned-eval's metrics (docs/metrics.md) with `dataset_metrics`.
 
 Per-sample records (`sample_rows` / `results_from_rows`) are the wire format in which a point
 publishes its per-sample results (a table artifact keyed `samples_artifact_key(run, step)`), read

@@ -1,1 +1,1 @@
-"""Prefect tasks of an eval point, one module per family (DESIGN §3). Side effects use NO_CACHE."""
+"""Prefect tasks of an eval point, one module per family (docs/architecture.md). Side effects use NO_CACHE."""

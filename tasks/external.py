@@ -17,8 +17,8 @@ Contract of `evaluate_external`:
   the instance is disposed and dropped, so the next point builds a fresh one (in the host: a
   `BackendError` naming the backend's exception class);
 - a measured point publishes its per-sample results as the table artifact
-  `samples_artifact_key(run, step)` (rows from `pinned_eval.external.sample_rows`), which
-  the miles adapter reads back. `record_point_samples` is usable by any posture.
+  `samples_artifact_key(run, step)` (`tasks.artifacts.record_point_samples`), which the miles
+  adapter reads back.
 """
 
 from __future__ import annotations
@@ -29,35 +29,23 @@ import os
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from pinned_eval.backend_host import HOST_ENV, evaluate_hosted
 from pinned_eval.backends import BackendCache, backend_key, backend_lock_name
 from pinned_eval.external import (
-    DatasetResult,
     EvalInput,
     EvalResults,
     results_to_metrics,
-    sample_rows,
-    samples_artifact_key,
 )
 from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import EvalSuite
+from tasks.artifacts import record_point_samples
 
 __all__ = ["BACKENDS", "BackendCache", "backend_key", "backend_lock_name", "evaluate_external", "record_point_samples"]
 
 BACKENDS = BackendCache()  # this process's backends, when no backend host is named
 atexit.register(BACKENDS.dispose_all)
-
-
-def record_point_samples(run: str, step: int, data: dict[str, DatasetResult]) -> None:
-    """Publish a point's per-sample results (call inside a flow or task run)."""
-    create_table_artifact(
-        table=sample_rows(data),
-        key=samples_artifact_key(run, step),
-        description=f"per-sample results of eval point {run}/step-{step}",
-    )
 
 
 @task(cache_policy=NO_CACHE, task_run_name="external-eval-{step}")
@@ -75,9 +63,10 @@ def evaluate_external(
     eval_input = EvalInput(run=run, step=step, hf_dir=checkpoint_dir, suite=suite)
     host = os.environ.get(HOST_ENV)
     results = (
-        evaluate_hosted(host, backend, options, checkpoint_dir, eval_input) if host
+        evaluate_hosted(host, backend, options, checkpoint_dir, eval_input)
+        if host
         else _evaluate_here(backend, options, checkpoint_dir, eval_input)
-    )  # fmt: skip
+    )
     metrics = results_to_metrics(results, eval_input)
     if record_samples:
         record_point_samples(run, step, results.data)

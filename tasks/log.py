@@ -1,57 +1,45 @@
-"""Log task: one point's record into every sink — JSONL, W&B, and Prefect artifacts.
+"""Log task: one point's record into the ledger, then into every exporter.
 
 Contract: a measured point writes one row per dataset, a skipped/failed point one point-level row
 with `eval/skipped_<reason>: 1`; every row is at the point's step.
 
-Nothing is lost to a sink: the JSONL file is written first and is the record (its own failure
-fails the task). W&B and the artifacts come after it, each retried (`attempt_sink`:
-`SINK_ATTEMPTS`, exponential backoff); a sink that still fails does not change the point's
-outcome: `log_point` returns {sink: error}, logs a WARNING naming the sink and the error, and
-rewrites the point's JSONL rows with `sink_errors` and `eval/sink_failed_<sink>: 1`; the flow adds
-`sink_note(...)` to the run's state message. The per-sample artifact (`samples`, written by the
-score task before this one) follows the same rule: the score task logs its error and marks the
-rows `eval/sink_failed_samples: 1`, which `log_point` reports with the others. Only `Exception`s
-are caught (a cancellation or deadline still unwinds).
-A W&B retry after a partial write may log the same row twice (same `eval/step`, same values).
-
-Artifacts: a table per point (`eval-<run>-step-<step>`) and the run's history table `eval-<run>`
-(one row per step, newest record wins) — a new version of it per point. With a JSONL sink the
-history is rebuilt from the JSONL file, so it also holds the skips the trainer recorded itself
-(`busy`, `export_failed`: no flow ran for them); without one it is the previous version plus this
-point. Secrets never enter a
-row or an artifact.
+Nothing is lost to an exporter: the ledger (`pinned_eval.sinks.Ledger`, the sinks block's
+`jsonl_path`) is written first and is the record (its own failure fails the task). The exporters
+configured for the block come after it (`pinned_eval.sinks.EXPORTERS`, in order: the samples file
+`results`, the `samples` artifact, `wandb`, the point's `artifacts`), each retried
+(`SINK_ATTEMPTS`, exponential backoff), each declaring its own lock (`exclusive`, held here with
+`tasks.admission.exclusive`). An exporter that still fails does not change the point's outcome:
+`log_point` returns {exporter: error}, logs a WARNING naming it and the error, and rewrites the
+point's ledger rows with `sink_errors` and `eval/sink_failed_<exporter>: 1`; the flow adds
+`sink_note(...)` to the run's state message. Only `Exception`s are caught (a cancellation or
+deadline still unwinds). A W&B retry after a partial write may log the same row twice (same
+`eval/step`, same values).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from typing import Any, cast
-
 from prefect import get_run_logger, task
-from prefect.artifacts import Artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
-from prefect.variables import Variable
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from blocks.sinks import SinksBlock
-from pinned_eval.points import history_artifact_key, progress_variable_name
-from pinned_eval.results.store import SAMPLES
 from pinned_eval.scoring.metrics import skip_metrics
-from pinned_eval.sinks import JsonlSink, MetricRow, log_to_wandb, wandb_eval_run_id
+from pinned_eval.sinks import (
+    SINK_ATTEMPTS,
+    Ledger,
+    MetricRow,
+    PointRecord,
+    PointSamples,
+    build_exporters,
+    close_all,
+    export_all,
+    with_sink_errors,
+)
+from tasks import artifacts, results  # noqa: F401 - importing them registers their exporters
 from tasks.admission import exclusive
+from tasks.progress import lag_steps
 
-
-def trainer_step(run: str) -> int | None:
-    """The trainer's latest reported step (a Prefect Variable the trainer side updates)."""
-    value = Variable.get(progress_variable_name(run), default=None)
-    return int(value) if value is not None else None
-
-
-def lag_steps(run: str, step: int) -> int:
-    latest = trainer_step(run)
-    return max(latest - step, 0) if latest is not None else 0
+SinkName = str  # an exporter's name: "results" | "samples" | "wandb" | "artifacts"
 
 
 def _flow_run_id() -> str | None:
@@ -60,72 +48,44 @@ def _flow_run_id() -> str | None:
     return str(getattr(flow_run, "id", flow_run)) if flow_run else None
 
 
-def _history_row(rows: list[MetricRow]) -> dict[str, Any]:
-    first = rows[0]
-    row: dict[str, Any] = {
-        "step": first.step,
-        "state": first.state,
-        "reason": first.reason or "",
-        "weight_version": first.weight_version or "",
-        "lag_steps": first.metrics.get("eval/lag_steps", ""),
-    }
-    for r in rows:
-        if r.dataset is not None:
-            row[f"eval/{r.dataset}"] = round(r.metrics.get(f"eval/{r.dataset}", float("nan")), 4)
-    return row
-
-
-def _update_history(run: str, rows: list[MetricRow], jsonl_path: str | None) -> None:
-    key = history_artifact_key(run)
-    table: list[dict[str, Any]] = []
-    if jsonl_path:
-        by_step: dict[int, list[MetricRow]] = {}
-        for r in JsonlSink(jsonl_path).read(run):  # this point's rows are already in it
-            by_step.setdefault(r.step, []).append(r)
-        table = [_history_row(step_rows) for _, step_rows in sorted(by_step.items())]
-    else:
-        previous = cast(Artifact | None, Artifact.get(key))
-        if previous is not None and previous.data:
-            raw = json.loads(previous.data) if isinstance(previous.data, str) else previous.data
-            data = cast(list[dict[str, Any]], raw)
-            table = [r for r in data if r.get("step") != rows[0].step]
-        table.append(_history_row(rows))
-        table.sort(key=lambda r: r["step"])
-    create_table_artifact(table=table, key=key, description=f"eval history of run {run}, one row per step")
-
-
-SINK_ATTEMPTS = 3  # per sink after the JSONL file; waits 0.5 s, 1 s between attempts
-SinkName = str  # "wandb" | "artifacts" | "samples" | "results"
-SINK_FAILED = "eval/sink_failed_"
-
-
 @task(cache_policy=NO_CACHE, task_run_name="log-{run}-{step}")
-def log_point(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> dict[SinkName, str]:
-    """Record the point in every sink; returns the sinks that failed after their retries."""
+def log_point(
+    run: str,
+    step: int,
+    rows: list[MetricRow],
+    sinks: SinksBlock,
+    samples: PointSamples | None = None,
+    flow_run_id: str | None = None,
+) -> dict[SinkName, str]:
+    """Record the point in the ledger and every exporter; returns the exporters that failed after
+    their retries. `flow_run_id`: the point's flow run (default: the one this task runs in)."""
     logger = get_run_logger()
-    flow_run_id = _flow_run_id()
-    rows = [r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows]
-    jsonl = JsonlSink(sinks.jsonl_path) if sinks.jsonl_path else None
-    if jsonl is not None:
-        jsonl.write_point(rows)
-        for problem in jsonl.bad_lines:
+    flow_run_id = flow_run_id or _flow_run_id()
+    record = PointRecord(
+        run, step, [r.model_copy(update={"flow_run_id": flow_run_id}) for r in rows], flow_run_id, samples
+    )
+    ledger = Ledger(sinks.jsonl_path) if sinks.jsonl_path else None
+    if ledger is not None:
+        ledger.write_point(record.rows)
+        for problem in ledger.bad_lines:
             logger.warning("JSONL sink: %s; kept as is, other rows unaffected", problem)
-    attempts: dict[SinkName, str | None] = {}
-    if sinks.wandb_project and sinks.wandb_mode != "disabled":
-        project = sinks.wandb_project
-        attempts["wandb"] = attempt_sink(lambda: _log_wandb(run, step, rows, sinks, project))
-    attempts["artifacts"] = attempt_sink(lambda: _log_artifacts(run, step, rows, sinks))
-    errors = {sink: error for sink, error in attempts.items() if error}
+    exporters = build_exporters(sinks)
+    try:
+        errors = export_all(exporters, record, hold=exclusive)
+    finally:
+        close_all(exporters)
     for sink, error in errors.items():
-        logger.warning("sink %s failed for %s/step-%d after %d attempts; the point keeps its outcome: %s",
-                       sink, run, step, SINK_ATTEMPTS, error)
-    if any(f"{SINK_FAILED}samples" in r.metrics for r in rows):  # already logged by the score task
-        errors["samples"] = "per-sample artifact not written (the score task's WARNING log has the error)"
-    if any(f"{SINK_FAILED}results" in r.metrics for r in rows):  # likewise
-        errors["results"] = "samples file not written (the score task's WARNING log has the error)"
-    if errors and jsonl is not None:
-        jsonl.write_point([_with_sink_errors(r, errors) for r in rows])
-    logger.info("logged %s/step-%d: %s", run, step, next(r.state for r in rows))
+        logger.warning(
+            "sink %s failed for %s/step-%d after %d attempts; the point keeps its outcome: %s",
+            sink,
+            run,
+            step,
+            SINK_ATTEMPTS,
+            error,
+        )
+    if errors and ledger is not None:
+        ledger.write_point([with_sink_errors(r, errors) for r in record.rows])
+    logger.info("logged %s/step-%d: %s", run, step, record.rows[0].state)
     return errors
 
 
@@ -134,87 +94,6 @@ def sink_note(errors: dict[SinkName, str]) -> str:
     if not errors:
         return ""
     return "; sink failed: " + "; ".join(f"{sink} ({error[:200]})" for sink, error in sorted(errors.items()))
-
-
-def attempt_sink(write: Callable[[], None]) -> str | None:
-    """Run `write` up to `SINK_ATTEMPTS` times: None once it succeeds, else its last error."""
-    retrying = Retrying(
-        stop=stop_after_attempt(SINK_ATTEMPTS),
-        wait=wait_exponential(multiplier=0.5, max=4.0),
-        retry=retry_if_exception_type(Exception),
-        reraise=True,
-    )
-    try:
-        for attempt in retrying:
-            with attempt:
-                write()
-    except Exception as exc:  # recorded beside the point (JSONL, log, state message), never dropped
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def _with_sink_errors(row: MetricRow, errors: dict[SinkName, str]) -> MetricRow:
-    failed = {f"{SINK_FAILED}{sink}": 1.0 for sink in errors}
-    return row.model_copy(update={"sink_errors": dict(errors), "metrics": {**row.metrics, **failed}})
-
-
-def _log_artifacts(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock) -> None:
-    """The point's table; its description links the samples file when the point wrote one."""
-    key = f"{history_artifact_key(run)}-step-{step}"
-    description = f"eval point {run}/step-{step}"
-    store = sinks.results_store()
-    if store is not None and rows[0].state == "measured" and store.exists(run, step, SAMPLES):
-        description += f"; samples: [{store.url(run, step, SAMPLES)}]({store.link(run, step, SAMPLES)})"
-    create_table_artifact(
-        table=[{"dataset": r.dataset or "", "state": r.state, "reason": r.reason or "", **r.metrics} for r in rows],
-        key=key,
-        description=description,
-    )
-    _update_history(run, rows, sinks.jsonl_path)
-
-
-def _log_wandb(run: str, step: int, rows: list[MetricRow], sinks: SinksBlock, project: str) -> None:
-    """One W&B row per point. The dedicated eval run has one writer at a time (the lock
-    `wandb-<eval run id>`, limit 1): concurrent points resume it in turn, never at once."""
-    merged: dict[str, float] = {}
-    for r in rows:
-        merged.update(r.metrics)
-    training_run = sinks.wandb_run_id or run
-    kwargs: dict[str, Any] = {
-        "project": project,
-        "run_id": training_run,
-        "entity": sinks.wandb_entity,
-        "mode": sinks.wandb_mode,
-        "directory": sinks.wandb_dir,
-        "writer": sinks.wandb_writer,
-        "label": f"pinned-eval-{run}-step-{step}",
-        "tables": _wandb_sample_tables(run, step, sinks) if rows[0].state == "measured" else {},
-    }
-    if sinks.wandb_writer == "shared":
-        log_to_wandb(merged, **kwargs)
-        return
-    with exclusive(f"wandb-{wandb_eval_run_id(training_run)}"):
-        log_to_wandb(merged, **kwargs)
-
-
-WANDB_SAMPLE_COLUMNS = ("example_id", "sample_index", "prompt", "response", "reward", "finish_reason",
-                        "completion_tokens", "weight_version")  # fmt: skip
-
-
-def _wandb_sample_tables(run: str, step: int, sinks: SinksBlock) -> dict[str, tuple[list[str], list[list[Any]]]]:
-    """`eval/samples/<ds>`: the first `wandb_samples_per_dataset` samples of each dataset (by example id,
-    then sample index) from the point's samples file; none without a results store or a count."""
-    store = sinks.results_store()
-    n = sinks.wandb_samples_per_dataset
-    if store is None or n == 0 or not store.exists(run, step, SAMPLES):
-        return {}
-    tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
-    rows = sorted(store.read(run, step, SAMPLES).to_pylist(), key=lambda r: (r["example_id"], r["sample_index"]))
-    for r in rows:
-        _, data = tables.setdefault(f"eval/samples/{r['dataset']}", (list(WANDB_SAMPLE_COLUMNS), []))
-        if len(data) < n:
-            data.append([r[c] for c in WANDB_SAMPLE_COLUMNS])
-    return tables
 
 
 def measured_rows(

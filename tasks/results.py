@@ -9,14 +9,16 @@ Contract:
 - `store_generations` writes them right after generation, before scoring, so a point whose
   scoring or logging fails leaves them for its rerun; a failure to write is logged (WARNING) and
   the point goes on uncached;
-- `write_samples` (called by the score task) writes the scored samples and links them from the
-  point's `samples-file` link artifact; it is a sink like the others (`attempt_sink`; a failure
-  marks the rows `eval/sink_failed_results: 1`).
+- `write_samples` writes the scored samples and links them from the point's `samples-file` link
+  artifact; for a measured point it runs as the `results` exporter (`ResultsExporter`, with a
+  results store configured), after the ledger like the others (`pinned_eval.sinks.export_all`; a
+  failure marks the rows `eval/sink_failed_results: 1`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact
@@ -25,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from pinned_eval.points import history_artifact_key
 from pinned_eval.results.store import GENERATIONS, SAMPLES, ResultsKeyError, ResultsStore
 from pinned_eval.results.tables import generation_fields, generation_row, generations_table, samples_table, table_key
+from pinned_eval.sinks import BaseExporter, PointRecord, SinkSettings, register_exporter
 from pinned_eval.trusted_paths import UntrustedPathError
 from tasks.generate import Generation
 
@@ -57,8 +60,9 @@ def store_generations(store: ResultsStore, run: str, step: int, key: str, genera
         table = generations_table((generation_row(g.model_dump()) for g in generations), key)
         store.write(run, step, GENERATIONS, table)
     except Exception as exc:  # the cache is an optimisation: the point goes on, uncached, and says so
-        get_run_logger().warning("generations of %s/step-%d not stored (a rerun will regenerate): %s: %s",
-                                 run, step, type(exc).__name__, exc)  # fmt: skip
+        get_run_logger().warning(
+            "generations of %s/step-%d not stored (a rerun will regenerate): %s: %s", run, step, type(exc).__name__, exc
+        )
 
 
 def write_samples(
@@ -74,11 +78,31 @@ def write_samples(
 ) -> str:
     """Write the samples file of (run, step); returns its url. `rewards` by (dataset, example, sample).
     `link`: create the point's link artifact (inside a flow or task run; a rescore keeps the point's)."""
+    return write_sample_rows(store, run, step, sample_rows(generations, rewards), key, rescored=rescored, link=link)
+
+
+def sample_rows(
+    generations: Sequence[Generation], rewards: Mapping[tuple[str, int, int], float | None]
+) -> list[dict[str, Any]]:
+    """The samples file's rows: each generation's row with its reward."""
     rows = []
     for g in generations:
         row = generation_row(g.model_dump())
         row["reward"] = rewards[g.dataset, g.prompt_index, g.sample_index]
         rows.append(row)
+    return rows
+
+
+def write_sample_rows(
+    store: ResultsStore,
+    run: str,
+    step: int,
+    rows: list[dict[str, Any]],
+    key: str | None,
+    *,
+    rescored: bool = False,
+    link: bool = True,
+) -> str:
     url = store.write(run, step, SAMPLES, samples_table(rows, key=key, rescored=rescored))
     if not link:
         return url
@@ -89,3 +113,27 @@ def write_samples(
         description=f"per-sample generations and rewards of eval point {run}/step-{step} (Parquet)",
     )
     return url
+
+
+class ResultsExporter(BaseExporter):
+    """The samples file of a measured point (`write_samples`), when the point has samples."""
+
+    name = "results"
+
+    def __init__(self, store: ResultsStore) -> None:
+        self.store = store
+
+    def export(self, record: PointRecord) -> None:
+        if record.samples is not None:
+            write_sample_rows(self.store, record.run, record.step, record.samples.rows, record.samples.key)
+
+    def describe_failure(self, error: str) -> str:
+        return f"samples file not written ({error})"
+
+
+def _results(settings: SinkSettings) -> ResultsExporter | None:
+    store = settings.results_store()
+    return ResultsExporter(store) if store is not None else None
+
+
+register_exporter("results", _results, order=10)  # first: the W&B tables and the point's table read it

@@ -1,12 +1,11 @@
-"""Score task: rewards per sample and the DESIGN §6 metrics per dataset.
+"""Score task: rewards per sample and the metrics per dataset (docs/metrics.md).
 
 Contract: a reward function that raises propagates (the point crashes: `skipped_crashed`,
 Failed run); a reward returning None counts in `-none_reward_ratio`. Rewards get the row's
 metadata; `remote_rm` posts to the suite's scoring service, and a service that gives no reward
 after its retries (`RemoteRewardError`) skips the point as `reward_unavailable` — never a 0
-score. The per-sample artifact is a sink (`tasks.log.attempt_sink`): retried, and if it still
-fails the point stays measured with `eval/sink_failed_samples: 1` and a WARNING; the samples file
-(a results store configured) likewise, with `eval/sink_failed_results: 1`.
+score. Scoring writes nothing: it returns the metrics and the point's samples, which the log task
+hands to the exporters (the samples artifact, the samples file) after the ledger.
 Weight-version metrics are computed against the pinned version, so `weight_version/mean == step`
 and `mixed_version_ratio == 0` prove the pin.
 """
@@ -16,19 +15,17 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from pinned_eval.external import DatasetResult
-from pinned_eval.results.store import ResultsStore
 from pinned_eval.scoring.metrics import LENGTH_FINISH_REASON, ScoredSample, dataset_metrics
 from pinned_eval.scoring.remote import RewardItem, score_responses
+from pinned_eval.sinks import PointSamples
 from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.suite import EvalSuite, ResolvedDataset
-from tasks.external import record_point_samples
 from tasks.generate import Generation
-from tasks.log import SINK_ATTEMPTS, SINK_FAILED, attempt_sink
-from tasks.results import write_samples
+from tasks.results import sample_rows
 
 Rewards = dict[tuple[str, int, int], float | None]  # (dataset, example id, sample index) -> reward
 
@@ -77,31 +74,11 @@ def score(
     generations: list[Generation],
     datasets: list[ResolvedDataset],
     suite: EvalSuite,
-    run: str,
     step: int,
-    results: ResultsStore | None = None,
     generation_key: str | None = None,
-) -> dict[str, dict[str, float]]:
-    """Metrics per dataset name, each a dict of `eval/<ds>...` keys; per-sample results are
-    published as the point's samples artifact (what the miles adapter reads back) and, with a
-    results store, written with their texts as the point's samples file (`tasks.results`)."""
+) -> tuple[dict[str, dict[str, float]], PointSamples]:
+    """Metrics per dataset name (each a dict of `eval/<ds>...` keys) and the point's samples: per
+    dataset for the samples artifact (what the miles adapter reads back), and with their texts
+    for the samples file (`generation_key`: the generation cache key they were made under)."""
     out, samples, rewards = score_generations(generations, datasets, suite, step)
-    failed = []
-    error = attempt_sink(lambda: record_point_samples(run, step, samples))
-    if error:
-        get_run_logger().warning("sink samples failed for %s/step-%d after %d attempts; the point keeps its "
-                                 "outcome: %s", run, step, SINK_ATTEMPTS, error)  # fmt: skip
-        failed.append("samples")
-    if results is not None:
-        store = results
-
-        def write() -> None:
-            write_samples(store, run, step, generations, rewards, generation_key)
-
-        error = attempt_sink(write)
-        if error:
-            get_run_logger().warning("sink results failed for %s/step-%d after %d attempts; the point keeps its "
-                                     "outcome: %s", run, step, SINK_ATTEMPTS, error)  # fmt: skip
-            failed.append("results")
-    flags = {f"{SINK_FAILED}{sink}": 1.0 for sink in failed}
-    return {ds: {**metrics, **flags} for ds, metrics in out.items()}
+    return out, PointSamples(results=samples, rows=sample_rows(generations, rewards), key=generation_key)

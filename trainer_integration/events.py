@@ -35,7 +35,7 @@ import httpx
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.points import PointRequest, flow_run_name, point_event_id
 from pinned_eval.scoring.metrics import skip_metrics
-from pinned_eval.sinks import JsonlSink, MetricRow
+from pinned_eval.sinks import Ledger, MetricRow
 from trainer_integration.rest import ApiUnavailableError, PrefectRest
 from trainer_integration.spool import RejectedDeliveryError, SpoolEntry, TransientDeliveryError
 
@@ -184,4 +184,4 @@ class Delivery:
             reason=reason,
             metrics={**skip_metrics(entry.step, reason), "eval/lag_steps": float(lag)},
         )
-        JsonlSink(path).write_point([row])
+        Ledger(path).write_point([row])

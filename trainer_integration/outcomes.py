@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pinned_eval.polling import PollTimeout, poll_until
-from pinned_eval.sinks import JsonlSink
+from pinned_eval.sinks import Ledger
 from trainer_integration.events import SINKS_BLOCK_SLUG
 from trainer_integration.rest import PointRun
 from trainer_integration.results import PointOutcome, best_of, point_outcome
@@ -65,7 +65,7 @@ class PointOutcomes:
         path = (data or {}).get("jsonl_path")
         out: dict[int, dict[str | None, dict[str, float]]] = {}
         if path and Path(path).exists():
-            for row in JsonlSink(path).read(self.run):
+            for row in Ledger(path).read(self.run):
                 out.setdefault(row.step, {})[row.dataset] = row.metrics
         return out
 

@@ -87,7 +87,7 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
     """Score the stored generations of (run, step) again; returns the new metrics per dataset."""
     from pinned_eval.results.store import GENERATIONS
     from pinned_eval.results.tables import generation_fields, table_key
-    from pinned_eval.sinks import JsonlSink, MetricRow
+    from pinned_eval.sinks import Ledger, MetricRow
     from tasks.generate import Generation
     from tasks.results import write_samples
     from tasks.score import score_generations
@@ -107,7 +107,7 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
     per_ds, _, rewards = score_generations(gens, datasets, suite.suite, step)
     write_samples(store, run, step, gens, rewards, table_key(table), rescored=True, link=False)
     if sinks.jsonl_path:
-        jsonl = JsonlSink(sinks.jsonl_path)
+        jsonl = Ledger(sinks.jsonl_path)
         old = [r for r in jsonl.read(run) if r.step == step]
         point = {"eval/step": float(step)}
         for r in old:

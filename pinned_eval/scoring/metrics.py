@@ -1,4 +1,4 @@
-"""Eval metrics with miles' names (DESIGN §6): per dataset, per point, and for skipped points.
+"""Eval metrics with miles' names (docs/metrics.md): per dataset, per point, and for skipped points.
 
 Per dataset `ds` (`dataset_metrics`), following miles `log_eval_rollout_data`:
 - `eval/{ds}-none_reward_ratio`: fraction of samples whose reward is None; those rewards then
@@ -88,7 +88,7 @@ def dataset_metrics(
     expected_version: str | None = None,
     statistics: bool = True,
 ) -> dict[str, float]:
-    """The DESIGN §6 metrics of one dataset at one point (see the module docstring for each rule)."""
+    """The metrics of one dataset at one point (see the module docstring for each rule)."""
     key = f"eval/{ds_name}"
     total = len(samples)
     rewards = [s.reward for s in samples]

@@ -1,6 +1,6 @@
 """Best-K retention: which measured steps of a run are its best K by a metric (no Prefect).
 
-`best_steps` reads metric rows (the JSONL sink's, `pinned_eval.sinks.MetricRow`): only rows of
+`best_steps` reads metric rows (the ledger's, `pinned_eval.sinks.MetricRow`): only rows of
 `run` with state `measured` that carry `metrics[metric]` count (a skipped or failed rerun of a
 step replaces its rows, so that step no longer counts). Ranked by value (`max`: highest first,
 `min`: lowest first), ties to the earliest step; the first `k` steps are returned. The staging

@@ -1,4 +1,10 @@
-"""Metric sinks without Prefect: the JSONL file and W&B beside the training run.
+"""The ledger: the JSONL record of every point, the one sink other modules read back.
+
+The log task writes it first (its failure fails the task), then the exporters
+(`pinned_eval.sinks.export_all`). Everything that needs a point's outcome after the fact reads
+the ledger and nothing else: keep-best (`blocks.staging.StagingBlock.protected_steps`), the
+regression alert (`tasks.alerts`), the history artifact (`tasks.artifacts`), `pinned-eval
+history`, the trainer's outcomes (`trainer_integration.outcomes`) and `pinned-eval rescore`.
 
 A point's record is one row per dataset (measured) or one row with `dataset = None` (skipped or
 crashed). Writing a point replaces every earlier row of the same (run, step), so a rerun
@@ -8,11 +14,11 @@ concurrent points (separate processes) do not lose each other's rows.
 
 A line that is not a metric row (corrupt, truncated, not UTF-8, another format) belongs to no
 point: readers skip it and a rewrite keeps it byte for byte where it was, each time with a
-warning naming the file and line (`JsonlSink.bad_lines`). So one bad line never blocks or loses
+warning naming the file and line (`Ledger.bad_lines`). So one bad line never blocks or loses
 another run's rows, and nothing is deleted that an operator may want to look at.
 
-`sink_errors` on a row: the sinks after the JSONL file (W&B, Prefect artifacts) that failed for
-this point, sink name -> error; the point's state is unchanged by them (`tasks.log`).
+`sink_errors` on a row: the exporters (W&B, Prefect artifacts, the samples file) that failed for
+this point, exporter name -> error; the point's state is unchanged by them (`tasks.log`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ import fcntl
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,8 +75,8 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-class JsonlSink:
-    """Metrics file with one JSON row per (run, step, dataset)."""
+class Ledger:
+    """The point ledger: a JSONL file with one metric row per (run, step, dataset)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -118,71 +124,4 @@ class JsonlSink:
             os.replace(tmp, self.path)
 
 
-WandbWriter = Literal["eval_run", "shared"]
-
-
-def wandb_eval_run_id(training_run_id: str) -> str:
-    """The dedicated eval run of a training run (writer `eval_run`), grouped with it."""
-    return f"{training_run_id}-eval"
-
-
-_QUIET: dict[str, Any] = {"silent": True, "x_disable_stats": True, "console": "off"}
-
-
-def shared_writer_settings(label: str) -> Any:
-    """W&B settings of a secondary writer into a live run (shared mode, online only): labelled
-    `label`, not the primary (no run files of its own), and its finish leaves the run running."""
-    import wandb
-
-    return wandb.Settings(mode="shared", x_label=label, x_primary=False, x_update_finish_state=False, **_QUIET)
-
-
-def log_to_wandb(
-    metrics: dict[str, float],
-    *,
-    project: str,
-    run_id: str,
-    entity: str | None,
-    mode: str,
-    directory: str | None,
-    writer: WandbWriter = "eval_run",
-    label: str = "pinned-eval",
-    tables: Mapping[str, tuple[list[str], list[list[Any]]]] | None = None,
-) -> None:
-    """Log one point's metrics beside the training run `run_id`, on the `eval/step` axis.
-
-    `tables`: W&B tables logged with the metrics, name -> (columns, rows) (the point's samples).
-
-    `eval_run`: into the dedicated run `wandb_eval_run_id(run_id)` (`group=run_id`,
-    `job_type="eval"`), created by the first point and resumed by id by later ones; the training
-    run itself is never resumed. `shared` (online only): into the live training run through W&B's
-    shared mode, as a secondary writer (`x_primary=False`, labelled `label`) whose finish leaves
-    the run's state alone. Either way every `eval/*` metric is plotted against `eval/step`.
-    """
-    import wandb  # wandb: optional extra, slow import
-
-    if writer == "shared":
-        wb = wandb.init(project=project, entity=entity, id=run_id, dir=directory, reinit="create_new",
-                        settings=shared_writer_settings(label))
-    else:
-        wb = wandb.init(
-            project=project,
-            entity=entity,
-            id=wandb_eval_run_id(run_id),
-            resume="allow",
-            group=run_id,
-            job_type="eval",
-            mode=mode,  # type: ignore[arg-type]
-            dir=directory,
-            reinit="create_new",
-            settings=wandb.Settings(**_QUIET),
-        )
-    try:
-        wb.define_metric("eval/step")
-        wb.define_metric("eval/*", step_metric="eval/step")
-        logged: dict[str, Any] = dict(metrics)
-        for name, (columns, data) in (tables or {}).items():
-            logged[name] = wandb.Table(columns=list[str | int](columns), data=data)
-        wb.log(logged)
-    finally:
-        wb.finish()
+JsonlSink = Ledger  # the name it had before it was recognised as the ledger; kept for imports

@@ -2,8 +2,8 @@
 
 - `pinned-eval.point.measured`: one per dataset measured, payload = its metrics;
 - `pinned-eval.point.regressed`: one per measured dataset that the suite block's regression rule
-  flags against the run's earlier JSONL rows (payload: `Regression`); none without a rule or
-  without a JSONL sink (logged);
+  flags against the run's earlier ledger rows (payload: `Regression`); none without a rule or
+  without a ledger (logged);
 - `pinned-eval.point.skipped`: one per skipped point (payload: reason, message);
 - `pinned-eval.point.failed`: one per failed point (payload: reason `crashed`, the error), from
   whichever path ends it: the flow's own `except` (an error it caught), its `on_crashed` hook (the
@@ -24,7 +24,7 @@ from prefect.events import emit_event
 
 from pinned_eval.events import EVENT_FAILED, EVENT_MEASURED, EVENT_REGRESSED, EVENT_SKIPPED, point_resource
 from pinned_eval.scoring.regression import Regression, RegressionRule
-from pinned_eval.sinks import JsonlSink
+from pinned_eval.sinks import Ledger
 
 
 def emit_measured(
@@ -39,7 +39,7 @@ def emit_measured(
         get_run_logger().warning("regression rule set but no JSONL sink: no history to compare %s/step-%d", run, step)
         return []
     history: dict[str, list[tuple[int, dict[str, float]]]] = {}
-    for row in JsonlSink(jsonl_path).read(run):
+    for row in Ledger(jsonl_path).read(run):
         if row.state == "measured" and row.dataset is not None and row.step != step:
             history.setdefault(row.dataset, []).append((row.step, row.metrics))
     found = []
@@ -48,9 +48,17 @@ def emit_measured(
         if regression is not None:
             found.append(regression)
             emit_event(EVENT_REGRESSED, resource=point_resource(run, step, ds), payload=regression.model_dump())
-            get_run_logger().warning("%s/step-%d %s regressed: %s %.4f, %s %.4f at step %d", run, step, ds,
-                                     regression.metric, regression.value, rule.baseline, regression.baseline,
-                                     regression.baseline_step)  # fmt: skip
+            get_run_logger().warning(
+                "%s/step-%d %s regressed: %s %.4f, %s %.4f at step %d",
+                run,
+                step,
+                ds,
+                regression.metric,
+                regression.value,
+                rule.baseline,
+                regression.baseline,
+                regression.baseline_step,
+            )
     return found
 
 
@@ -61,5 +69,9 @@ def emit_skipped(run: str, step: int, reason: str, message: str) -> None:
 def emit_failed(run: str, step: int, error: str, flow_run_id: str | None = None) -> None:
     """`failed` for the point; `flow_run_id`: the point's flow run, when emitted outside it."""
     related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run_id}", "prefect.resource.role": "flow-run"}]
-    emit_event(EVENT_FAILED, resource=point_resource(run, step), related=related if flow_run_id else None,
-               payload={"reason": "crashed", "error": error[:1000]})  # fmt: skip
+    emit_event(
+        EVENT_FAILED,
+        resource=point_resource(run, step),
+        related=related if flow_run_id else None,
+        payload={"reason": "crashed", "error": error[:1000]},
+    )

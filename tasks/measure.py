@@ -1,0 +1,132 @@
+"""Measure a point's weights: the posture chooses the function from `MEASURES`.
+
+Each measure function gets the point's blocks (`PointConfig`) and its `MeasureInput`, and returns
+`Measured`: metrics per dataset of weight version `str(step)`, and the point's samples for the
+exporters (None when the posture publishes its own).
+- fleet: [fleet lock: pin the fleet to the snapshot → generate] → score;
+- shared: [fleet lock: verify the live engines serve `str(step)` → generate] → score;
+- external: [backend lock: the backend's `evaluate_checkpoint`] (it publishes its samples).
+With a results store (fleet posture), generations stored under this point's cache key are reused
+— no pin, no request — and only scored; fresh ones are stored before scoring
+(`pinned_eval.results.cache.generation_key`, keyed by the snapshot's digest). Chat templates come
+from the pinned snapshot's tokenizer (a LoRA adapter: its base's); shared: the engines' model.
+An adapter-mode snapshot is named `str(step)` everywhere (its LoRA name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
+from pinned_eval.datasets.loader import EvalSample
+from pinned_eval.datasets.spec import ResolvedDataset
+from pinned_eval.points import Posture
+from pinned_eval.results.cache import generation_key, snapshot_digest
+from pinned_eval.sinks import PointSamples
+from tasks.admission import pin_lock
+from tasks.external import backend_lock_name, evaluate_external
+from tasks.generate import generate
+from tasks.pin import pin_fleet, verify_shared
+from tasks.results import cached_generations, store_generations
+from tasks.score import score
+from tasks.snapshots import Snapshot
+
+
+class PointConfig(BaseModel):
+    """The blocks a point uses, loaded once at flow start (sinks and staging first, so a failure
+    loading the others is still recorded and the snapshot still retired)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    suite: EvalSuiteBlock
+    fleet: FleetBlock
+    staging: StagingBlock
+    sinks: SinksBlock
+    backend: ExternalBackendBlock | None = None  # the external posture's, named by `backend_block`
+
+
+class MeasureInput(NamedTuple):
+    run: str
+    step: int
+    snapshot: Snapshot | None  # None in the shared posture (the engines serve their own weights)
+    datasets: list[ResolvedDataset]
+    rows: dict[str, list[EvalSample]]
+
+
+class Measured(NamedTuple):
+    per_dataset: dict[str, dict[str, float]]
+    samples: PointSamples | None
+
+
+MeasureFn = Callable[[PointConfig, MeasureInput], Measured]
+
+
+def measure_external(cfg: PointConfig, point: MeasureInput) -> Measured:
+    if point.snapshot is None or cfg.backend is None:  # PointRequest: external needs a source and backend_block
+        raise ValueError("external posture: needs a snapshot and backend_block")
+    backend, options = cfg.backend.configuration()
+    with pin_lock(backend_lock_name(backend, options)):
+        metrics = evaluate_external(
+            backend, str(point.snapshot.local_path), point.run, point.step, cfg.suite.suite, options
+        )
+    return Measured(metrics, None)
+
+
+def _pin(cfg: PointConfig, point: MeasureInput) -> None:
+    if point.snapshot is None:
+        raise ValueError("fleet posture: needs a snapshot")
+    pin_fleet(cfg.fleet, str(point.snapshot.local_path), str(point.step), point.snapshot.lora_base)
+
+
+def _verify(cfg: PointConfig, point: MeasureInput) -> None:
+    verify_shared(cfg.fleet, str(point.step))
+
+
+def _generate_and_score(
+    cfg: PointConfig, point: MeasureInput, prepare: Callable[[PointConfig, MeasureInput], None], cache: bool
+) -> Measured:
+    run, step, snapshot, datasets, rows = point
+    version = str(step)
+    lora = version if snapshot is not None and snapshot.adapter else None
+    tokenizer_dir = cfg.fleet.model_path if snapshot is None else snapshot.lora_base or str(snapshot.local_path)
+    results = cfg.sinks.results_store()
+    key = None
+    if cache and results is not None and snapshot is not None:
+        key = generation_key(
+            snapshot_digest(str(snapshot.local_path)), version, datasets, rows, tokenizer_dir, snapshot.lora_base
+        )
+    generations = cached_generations(results, run, step, key) if results is not None and key else None
+    if generations is None:
+        with pin_lock(cfg.fleet.lock_name):
+            prepare(cfg, point)
+            generations = generate(
+                cfg.fleet,
+                datasets,
+                rows,
+                version,
+                rid_prefix=f"{run}-{step}",
+                tokenizer_dir=tokenizer_dir,
+                lora_path=lora,
+            )
+        if results is not None and key:
+            store_generations(results, run, step, key, generations)
+    per_dataset, samples = score(generations, datasets, cfg.suite.suite, step, key)
+    return Measured(per_dataset, samples)
+
+
+def measure_fleet(cfg: PointConfig, point: MeasureInput) -> Measured:
+    return _generate_and_score(cfg, point, _pin, cache=True)
+
+
+def measure_shared(cfg: PointConfig, point: MeasureInput) -> Measured:
+    return _generate_and_score(cfg, point, _verify, cache=False)
+
+
+MEASURES: dict[Posture, MeasureFn] = {
+    Posture.FLEET: measure_fleet,
+    Posture.SHARED: measure_shared,
+    Posture.EXTERNAL: measure_external,
+}
