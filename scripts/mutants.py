@@ -60,7 +60,11 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     ("trainer_integration.admission", "trainer_integration/admission.py", (*_EVAL_CLIENT, "test_mut_admission")),
     ("pinned_eval.scoring.metrics", "pinned_eval/scoring/metrics.py", ("test_metrics", "test_mut_metrics")),
-    ("trainer_integration.spool", "trainer_integration/spool.py", (*_EVAL_CLIENT, "test_mut_spool")),
+    (
+        "trainer_integration.spool",
+        "trainer_integration/spool.py",
+        (*_EVAL_CLIENT, "test_mut_spool", "test_spool_guarantees"),
+    ),
     (
         "pinned_eval.snapshot.check",
         "pinned_eval/snapshot/check.py",
