@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pinned_eval.durable import replace_durably
+
 log = logging.getLogger(__name__)
 
 
@@ -113,9 +115,7 @@ class JsonlSink:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.writelines([*kept, *(row.to_line() for row in rows)])
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            replace_durably(tmp, self.path)
 
 
 WandbWriter = Literal["eval_run", "shared"]
