@@ -172,6 +172,7 @@ def test_full_spool_disk_after_a_storage_error_is_an_export_failed_point_naming_
         result = client.dispatch(6, export=lambda step, dest: exported.append(step))
     refused = f"staging root {str(tmp_path / 'stage')!r} refused: it is a symlink (to {str(tmp_path / 'real')!r})"
     assert result.action == "skipped_export_failed" and exported == []
-    assert result.reason == (f"dispatch error: UnsafeStagingRootError({refused!r}); not recorded: [Errno {errno.ENOSPC}] "
-                             "export_failed (step 6: dispatch error (see trainer log)) not recorded: "
+    assert result.reason == (f"dispatch error: UnsafeStagingRootError({refused!r}); not recorded: "
+                             f"[Errno {errno.ENOSPC}] export_failed (step 6: dispatch error (see trainer log)) "
+                             "not recorded: "
                              + _spool_full(small_disk, 6))  # fmt: skip
