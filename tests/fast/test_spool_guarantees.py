@@ -85,6 +85,7 @@ def test_unexpected_failures_count_in_a_row_per_entry_and_a_delivery_resets_them
     assert [deliverer.deliver_pending() for _ in range(5)] == [False, False, True, False, False]
     assert deliverer.last_error == "RuntimeError: bug"
     assert [e.step for e in spool.pending()] == [2] and spool.quarantined() == []
+    assert deliverer._failures == {2: 2}  # the delivered entry's count is forgotten, not kept forever
 
 
 def test_with_one_unexpected_attempt_the_entry_is_quarantined_at_once_and_the_pass_goes_on(tmp_path: Path) -> None:
@@ -98,8 +99,9 @@ def test_with_one_unexpected_attempt_the_entry_is_quarantined_at_once_and_the_pa
             raise AttributeError("no such field")
         delivered.append(entry.step)
 
-    assert Deliverer(spool, deliver, unexpected_attempts=1).deliver_pending() is True
-    assert delivered == [2]
+    deliverer = Deliverer(spool, deliver, unexpected_attempts=1)
+    assert deliverer.deliver_pending() is True
+    assert delivered == [2] and deliverer._failures == {}  # a quarantined entry's count is forgotten
     assert spool.quarantined() == [("000000000001.json", "delivery failed 1 times: AttributeError: no such field")]
     with pytest.raises(ValueError, match=r"^unexpected_attempts: need >= 1, got 0$"):
         Deliverer(spool, deliver, unexpected_attempts=0)
