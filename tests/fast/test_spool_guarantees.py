@@ -56,6 +56,7 @@ def test_an_unexpected_error_mid_delivery_never_stops_the_thread_and_later_entri
             deliverer.stop()
     assert delivered == [1, 3, 4, 5]
     assert calls == [1, 2, 2, 2, 3, 3, 4, 5]
+    assert deliverer._failures == {}  # counts of quarantined and delivered entries are forgotten
     assert spool.pending() == []
     assert spool.quarantined() == [("000000000002.json", "delivery failed 3 times: KeyError: 'payload'")]
     assert json.loads((spool.dir / "quarantine" / "000000000002.json").read_text())["key"] == "k2"
