@@ -58,9 +58,17 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
         "pinned_eval/snapshot/confined.py",
         ("test_sec_staging", "test_staging_paths", "test_sec_payloads", "test_eval_client", "test_mut_confined"),
     ),
-    ("trainer_integration.admission", "trainer_integration/admission.py", (*_EVAL_CLIENT, "test_mut_admission")),
+    (
+        "trainer_integration.admission",
+        "trainer_integration/admission.py",
+        (*_EVAL_CLIENT, "test_mut_admission", "test_rule_boundaries"),
+    ),
     ("pinned_eval.scoring.metrics", "pinned_eval/scoring/metrics.py", ("test_metrics", "test_mut_metrics")),
-    ("trainer_integration.spool", "trainer_integration/spool.py", (*_EVAL_CLIENT, "test_mut_spool")),
+    (
+        "trainer_integration.spool",
+        "trainer_integration/spool.py",
+        (*_EVAL_CLIENT, "test_mut_spool", "test_spool_guarantees"),
+    ),
     (
         "pinned_eval.snapshot.check",
         "pinned_eval/snapshot/check.py",

@@ -35,7 +35,9 @@ Contract:
   created directly on the deployment, the event as fallback: `trainer_integration.events`), so a
   non-waiting call costs the loop one fsync. `dispatch` never raises into training for anything
   the point does (the exporter, storage, the API): those are logged and become skip records (a
-  spool that cannot be written, e.g. a full disk, returns `skipped_spool_failed` with the reason).
+  spool that cannot be written, e.g. a full disk, returns `skipped_spool_failed` with the reason,
+  naming the skip that could not be recorded, `busy` or `export_failed` and why; a storage or API
+  error whose record cannot be spooled is `skipped_export_failed` with both errors in `reason`).
   It raises `ValueError` only for a misuse of the call itself, found before anything is exported:
   a negative step, a fleet point with neither a source nor an exporter, an in-loop export without
   `staging_root`, an S3 `staging_root` whose saved staging block does not exist.
@@ -255,14 +257,16 @@ class EvalClient(TwoPhaseDispatch, PointOutcomes):
             log.error("pinned-eval: %s step %d skipped, its request not spooled: %s", self.run, step, exc)
             return DispatchResult(step=step, action="skipped_spool_failed", in_flight=0, reason=str(exc)[:500],
                                   stall_seconds=time.monotonic() - t0)
-        except _INFRA_ERRORS:  # storage or API trouble; a bug or a bad configuration raises
+        except _INFRA_ERRORS as exc:  # storage or API trouble; a bug or a bad configuration raises
             log.exception("pinned-eval: dispatch of %s step %d failed; recorded as export_failed", self.run, step)
+            why = f"dispatch error: {exc!r}"[:500]
             try:
                 self._record_skip(step, source, final, posture, "export_failed", "dispatch error (see trainer log)")
-            except SpoolWriteError as exc:
-                log.error("pinned-eval: export_failed record of %s step %d not spooled: %s", self.run, step, exc)
+            except SpoolWriteError as spool_exc:
+                log.error("pinned-eval: export_failed record of %s step %d not spooled: %s", self.run, step, spool_exc)
+                why = f"{why}; not recorded: {spool_exc}"[:500]
             return DispatchResult(
-                step=step, action="skipped_export_failed", in_flight=0, stall_seconds=time.monotonic() - t0
+                step=step, action="skipped_export_failed", in_flight=0, reason=why, stall_seconds=time.monotonic() - t0
             )
 
     def _dispatch(
@@ -350,7 +354,10 @@ class EvalClient(TwoPhaseDispatch, PointOutcomes):
             max_in_flight=self.max_in_flight,
             export_time_seconds=None,
         )
-        self._enqueue(skip_record_entry(req, self.blocks, reason, f"step {step}: {message}"))
+        try:
+            self._enqueue(skip_record_entry(req, self.blocks, reason, f"step {step}: {message}"))
+        except SpoolWriteError as exc:  # say which skip was lost, not only that a record was
+            raise SpoolWriteError(exc.errno, f"{reason} (step {step}: {message}) not recorded: {exc.strerror}") from exc
 
     def _enqueue(self, entry: SpoolEntry) -> None:
         self.spool.append(entry)

@@ -17,6 +17,12 @@ Contract:
   entry to `rejected/` with the reason, so one bad entry cannot block the rest; an error of the
   spool's own disk during a pass (a full disk while setting an entry aside) is retried with the
   same backoff, never ends the delivery thread;
+- an unexpected error anywhere in delivery never ends the delivery thread either: an exception
+  `deliver` raises that is neither transient nor a rejection (a bug, a malformed answer) is logged
+  with its traceback and retried with the same backoff, in order; after `unexpected_attempts`
+  such failures in a row the entry is quarantined (with the error as its `.why`) and delivery goes
+  on with the next one; an error of `on_delivered` is logged and the pass goes on (the entry was
+  delivered); any other error of a pass is logged and retried with backoff;
 - exactly once comes from the receiver: every entry carries an idempotency key (the event id,
   uuid5 of run and step, or a flow-run idempotency key), so a redelivery after a lost 2xx is one
   point on the server;
@@ -191,6 +197,10 @@ class Spool:
             out.append((path.name, note.read_text() if note.exists() else ""))
         return out
 
+    def quarantine(self, entry: SpoolEntry, why: str) -> None:
+        """Set a pending entry aside in `quarantine/` with `why` (delivery goes on without it)."""
+        self._quarantine(self.dir / f"{entry.seq:012d}.json", why)
+
     def remove(self, entry: SpoolEntry) -> None:
         (self.dir / f"{entry.seq:012d}.json").unlink(missing_ok=True)
         _fsync_dir(self.dir)
@@ -221,7 +231,9 @@ class Deliverer:
     `RejectedDeliveryError` to set the entry aside. `kick()` wakes it after an append;
     `flush(timeout)` waits until the spool is empty. After a transient failure it waits
     `backoff_s[0]`, doubling per failed pass up to exactly `backoff_s[1]` (the cap), and starts
-    again from `backoff_s[0]` after a pass that left nothing pending.
+    again from `backoff_s[0]` after a pass that left nothing pending. Any other exception of
+    `deliver` is retried the same way and, after `unexpected_attempts` in a row for one entry,
+    that entry is quarantined; no exception ends the thread (only `stop()` does).
     """
 
     def __init__(
@@ -231,13 +243,18 @@ class Deliverer:
         *,
         on_delivered: OnDelivered | None = None,
         backoff_s: tuple[float, float] = (0.2, 5.0),
+        unexpected_attempts: int = 3,
     ) -> None:
         if not 0 < backoff_s[0] <= backoff_s[1]:
             raise ValueError(f"backoff_s: need 0 < first <= cap, got {backoff_s}")
+        if unexpected_attempts < 1:
+            raise ValueError(f"unexpected_attempts: need >= 1, got {unexpected_attempts}")
         self.spool = spool
         self._deliver = deliver
         self._on_delivered = on_delivered
         self._backoff = backoff_s
+        self._unexpected_attempts = unexpected_attempts
+        self._failures: dict[int | None, int] = {}  # seq -> unexpected failures in a row
         self._wake = threading.Event()
         self._idle = threading.Condition()
         self._stop = threading.Event()
@@ -287,14 +304,17 @@ class Deliverer:
         try:
             while not self._stop.is_set():
                 self._wake.clear()  # before the pass, so a kick during it is not lost
-                if not self._acquire_dir():
-                    self._wake.wait(1.0)
-                    continue
                 try:
+                    if not self._acquire_dir():
+                        self._wake.wait(1.0)
+                        continue
                     progressed = self.deliver_pending()
                 except OSError as exc:  # the spool's own disk (full, read-only): keep the thread, retry
                     log.warning("pinned-eval: spool %s: delivery pass failed on the spool itself: %s",
                                 self.spool.dir, exc)
+                    progressed = False
+                except Exception:  # a bug anywhere in a pass: never end the thread, retry with backoff
+                    log.exception("pinned-eval: spool %s: delivery pass failed unexpectedly", self.spool.dir)
                     progressed = False
                 with self._idle:
                     self._idle.notify_all()
@@ -328,8 +348,30 @@ class Deliverer:
                 log.error("pinned-eval: %s for step %d rejected: %s", entry.kind, entry.step, exc)
                 self.spool.reject(entry, str(exc))
                 continue
+            except Exception as exc:  # neither transient nor a rejection: a bug, a malformed answer
+                if self._failed_unexpectedly(entry, exc):
+                    continue
+                return False
+            self._failures.pop(entry.seq, None)
             self.last_error = None
             self.spool.remove(entry)
             if self._on_delivered is not None:
-                self._on_delivered(entry)
+                try:
+                    self._on_delivered(entry)
+                except Exception:  # the entry is delivered; the callback's bug is not delivery's
+                    log.exception("pinned-eval: on_delivered failed for %s step %d", entry.kind, entry.step)
+        return True
+
+    def _failed_unexpectedly(self, entry: SpoolEntry, exc: Exception) -> bool:
+        """Log `exc`; True when `entry` has now failed `unexpected_attempts` times and is quarantined."""
+        n = self._failures.get(entry.seq, 0) + 1
+        why = f"{type(exc).__name__}: {exc}"
+        log.error("pinned-eval: spooled %s for step %d failed unexpectedly (attempt %d of %d): %s",
+                  entry.kind, entry.step, n, self._unexpected_attempts, why, exc_info=exc)
+        self.last_error = why
+        if n < self._unexpected_attempts:
+            self._failures[entry.seq] = n
+            return False
+        self._failures.pop(entry.seq, None)
+        self.spool.quarantine(entry, f"delivery failed {n} times: {why}")
         return True

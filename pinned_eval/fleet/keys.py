@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, SecretStr, field_serializer
 
+from pinned_eval.durable import replace_durably
 from pinned_eval.processes import LaunchError
 
 ENGINE_API_KEY_ENV = "PINNED_EVAL_ENGINE_API_KEY"
@@ -150,7 +151,7 @@ def write_private(path: Path, text: str) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def write_sglang_key_config(path: Path, keys: FleetKeys) -> Path:

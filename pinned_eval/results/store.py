@@ -31,6 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pinned_eval.durable import replace_durably
 from pinned_eval.points import run_key
 from pinned_eval.snapshot.layout import is_local, join, resolve, to_url
 from pinned_eval.trusted_paths import make_private_dirs, open_trusted_file
@@ -137,7 +138,7 @@ def _write_private(directory: str, root: str, name: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, os.path.join(directory, name))
+        replace_durably(tmp, os.path.join(directory, name))
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -35,6 +35,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pinned_eval.durable import replace_durably
+
 log = logging.getLogger(__name__)
 
 
@@ -119,9 +121,7 @@ class Ledger:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.writelines([*kept, *(row.to_line() for row in rows)])
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            replace_durably(tmp, self.path)
 
 
 JsonlSink = Ledger  # the name it had before it was recognised as the ledger; kept for imports

@@ -11,13 +11,14 @@ Invariants shared by the writer, the check and staging (no torch import here):
 
 from __future__ import annotations
 
-import os
 from datetime import datetime
 from typing import Any, Literal
 
 import fsspec
 from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ConfigDict, Field
+
+from pinned_eval.durable import fsync_path as fsync_path
 
 MARKER = ".complete"
 RETIRED = ".retired"  # staging's keep-ring mark: the point that used this snapshot is done with it
@@ -141,12 +142,3 @@ def file_mtime(info: dict[str, Any]) -> float:
     if isinstance(value, datetime):
         return value.timestamp()
     return float(value) if value is not None else 0.0
-
-
-def fsync_path(path: str) -> None:
-    """fsync a local file or directory by path (a read-only descriptor is enough on POSIX)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

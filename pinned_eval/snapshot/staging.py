@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pinned_eval.durable import replace_durably
 from pinned_eval.points import check_run_name, run_key, run_of_key
 from pinned_eval.settings import get_settings
 from pinned_eval.snapshot import s3_upload
@@ -291,7 +292,7 @@ class Staging:
                 if not self._cached(entry, marker):  # another process may have won the race
                     if entry.exists():
                         shutil.rmtree(entry)
-                    os.replace(tmp, entry)
+                    replace_durably(tmp, entry)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         os.utime(entry)  # last use, for LRU eviction

@@ -9,12 +9,14 @@ spool keeps what it wrote).
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
 from pinned_eval.points import SnapshotSource
 from pinned_eval.polling import poll_until
 from tests.conftest import free_port
+from tests.reliability.netfaults import ScriptedServer
 from trainer_integration.client import EvalClient
 from trainer_integration.spool import Deliverer, RejectedDeliveryError, Spool, SpoolEntry
 
@@ -98,3 +100,79 @@ def test_delivery_survives_a_full_spool_disk_while_setting_an_entry_aside(small_
         deliverer.stop()
     assert delivered == [2]
     assert [(e.step, why) for e, why in spool.rejected()] == [(1, "HTTP 422: refused")]
+
+
+# ---- a full spool disk on every error path of `dispatch` ------------------------------------------
+
+
+def _spool_full(disk: Path, step: int) -> str:
+    return f"spool {disk / 'spool' / 'exp42'}: skip_record for step {step} not written: No space left on device"
+
+
+def test_full_spool_disk_when_a_point_is_busy_is_a_skipped_point_naming_the_busy_skip(small_disk: Path) -> None:
+    """Under `skip` with both slots taken, the `busy` record cannot be spooled: `dispatch` returns
+    `skipped_spool_failed` whose reason names the busy skip and the disk; never raises."""
+    runs = [{"id": str(s), "name": f"exp42/step-{s}", "parameters": {"run": "exp42", "step": s},
+             "state": {"type": "RUNNING", "name": "Running", "message": None},
+             "created": "2026-01-01T00:00:00Z"} for s in (1, 2)]  # fmt: skip
+    server = ScriptedServer({
+        ("POST", "/api/flow_runs/filter"): lambda body: (200, {"Content-Type": "application/json"},
+                                                         json.dumps(runs).encode()),
+        ("POST", "/api/events"): lambda body: (503, {}, b""),  # nothing delivered: the spool keeps its entries
+    })  # fmt: skip
+    try:
+        with EvalClient("exp42", f"{server.url}/api", spool_dir=small_disk / "spool", policy="skip", max_in_flight=2,
+                        direct_runs=False, startup_sync_s=30) as client:  # fmt: skip
+            assert client.wait_synced(30)
+            filler = _fill(small_disk)
+            result = client.dispatch(3, source=SOURCE)
+            assert (result.action, result.in_flight, result.admitted_offline) == ("skipped_spool_failed", 0, False)
+            assert result.reason == (f"[Errno {errno.ENOSPC}] busy (step 3: 2 points in flight (max 2)) not recorded: "
+                                     + _spool_full(small_disk, 3))  # fmt: skip
+            assert client.spool.pending() == []
+            filler.unlink()  # space again: the next busy point is recorded
+            again = client.dispatch(4, source=SOURCE)
+            assert (again.action, again.in_flight) == ("skipped_busy", 2)
+            assert [(e.kind, e.step, e.body["state"]["message"]) for e in client.spool.pending()] == [
+                ("skip_record", 4, "busy: step 4: 2 points in flight (max 2)")]
+    finally:
+        server.close()
+
+
+def test_full_spool_disk_after_an_exporters_own_error_names_the_export_failure(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    def buggy(step: int, dest: str) -> None:
+        Path(dest).mkdir(parents=True)
+        raise ValueError("shape mismatch")
+
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    with EvalClient("exp42", dead, spool_dir=small_disk / "spool", staging_root=tmp_path / "stage",
+                    startup_sync_s=5) as client:  # fmt: skip
+        _fill(small_disk)
+        result = client.dispatch(5, export=buggy)
+    assert result.action == "skipped_spool_failed"
+    assert result.reason == (f"[Errno {errno.ENOSPC}] export_failed (step 5: in-loop export: "
+                             f"ValueError('shape mismatch')) not recorded: " + _spool_full(small_disk, 5))  # fmt: skip
+    assert not (tmp_path / "stage" / "exp42" / "step_00000005").exists()  # the partial export removed
+
+
+def test_full_spool_disk_after_a_storage_error_is_an_export_failed_point_naming_both(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """A staging root another user could redirect (a symlink) is refused: `export_failed`; its record
+    cannot be spooled either: both errors in `reason`, and the exporter never ran."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "stage").symlink_to(tmp_path / "real")
+    exported: list[int] = []
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    with EvalClient("exp42", dead, spool_dir=small_disk / "spool", staging_root=tmp_path / "stage",
+                    startup_sync_s=5) as client:  # fmt: skip
+        _fill(small_disk)
+        result = client.dispatch(6, export=lambda step, dest: exported.append(step))
+    refused = f"staging root {str(tmp_path / 'stage')!r} refused: it is a symlink (to {str(tmp_path / 'real')!r})"
+    assert result.action == "skipped_export_failed" and exported == []
+    assert result.reason == (f"dispatch error: UnsafeStagingRootError({refused!r}); not recorded: "
+                             f"[Errno {errno.ENOSPC}] export_failed (step 6: dispatch error (see trainer log)) "
+                             "not recorded: "
+                             + _spool_full(small_disk, 6))  # fmt: skip
