@@ -171,13 +171,21 @@ class PointGateway:
         return secrets.compare_digest(given.encode(), f"Bearer {self.token}".encode())
 
     async def _models(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return _error(401, "missing or wrong bearer token for this point's gateway")
+        started = time.perf_counter()
+        record = CallRecord(route="/v1/models", sample_key=None, status=401)
         try:
-            status, payload = await self.session.forward("GET", "/v1/models", None, rid="models")
-        except (FleetError, OSError) as exc:
-            return _error(502, f"the fleet did not answer /v1/models: {exc}")
-        return JSONResponse(payload, status_code=status)
+            if not self._authorized(request):
+                record.error = "missing or wrong bearer token for this point's gateway"
+                return _error(401, record.error)
+            try:
+                record.status, payload = await self.session.forward("GET", "/v1/models", None, rid="models")
+            except (FleetError, OSError) as exc:
+                record.status, record.error = 502, f"the fleet did not answer /v1/models: {exc}"
+                return _error(502, record.error)
+            return JSONResponse(payload, status_code=record.status)
+        finally:
+            record.latency_s = time.perf_counter() - started
+            self.calls.append(record)
 
     def _handler(self, path: str, *, sessioned: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
@@ -203,7 +211,6 @@ class PointGateway:
             record.fill(payload)
             self._tokens += record.prompt_tokens + record.completion_tokens
             if state is not None:
-                state.turns += 1
                 state.tokens += record.prompt_tokens + record.completion_tokens
                 state.transcript.append(transcript_entry(route, body, status, payload, record))
             return JSONResponse(payload, status_code=status)
@@ -284,6 +291,7 @@ class PointGateway:
             raise self._sample_breach(state, "max_tokens_per_sample", lim.max_tokens_per_sample)
         if self._wall_left(state) == 0:
             raise self._sample_breach(state, "sample_wall_s", lim.sample_wall_s or 0)
+        state.turns += 1  # counted when admitted: concurrent calls of one sample cannot overrun it
         return state
 
     def _wall_left(self, state: SampleState | None) -> float | None:
