@@ -40,6 +40,7 @@ class FakeFleet:
     def __init__(self) -> None:
         self.version = "7"
         self.abort_next = 0
+        self.release = asyncio.Event()
         self.seen: list[tuple[str, dict[str, str], Any]] = []
         self.app = Starlette(routes=[
             Route("/generate", self.generate, methods=["POST"]),
@@ -55,6 +56,8 @@ class FakeFleet:
 
     async def generate(self, request: Request) -> JSONResponse:
         body = await self._seen(request)
+        if body.get("text") == "hang":
+            await self.release.wait()  # a call that never ends until the test releases it
         finish = {"type": "stop", "matched": 2}
         if self.abort_next:
             self.abort_next -= 1
@@ -224,12 +227,30 @@ async def test_sample_limits_refuse_that_sample_only(fleet: tuple[FakeFleet, str
 
 
 async def test_sample_wall_time(fleet: tuple[FakeFleet, str], http: httpx.AsyncClient) -> None:
-    _, url = fleet
-    async with _gateway(url, http, sample_wall_s=1e-6) as gw:
+    fake, url = fleet
+    async with _gateway(url, http, sample_wall_s=1e-6) as gw:  # over before its first call
         base = gw.open_sample("slow")
         r = await http.post(f"{base}/generate", headers=auth(gw), json={"text": "x"})
         assert r.status_code == 429 and "sample_wall_s" in r.json()["message"]
-        assert gw.sample_breaches == {"slow": "sample_wall_s"}
+        assert gw.sample_breaches == {"slow": "sample_wall_s"} and fake.seen == []
+    async with _gateway(url, http, sample_wall_s=0.5) as gw:  # a call in flight at the deadline is cut off
+        base = gw.open_sample("hung")
+        try:
+            r = await http.post(f"{base}/generate", headers=auth(gw), json={"text": "hang"})
+        finally:
+            fake.release.set()
+        assert r.status_code == 429 and r.json()["message"].startswith("sample_wall_s reached")
+        assert gw.sample_breaches == {"hung": "sample_wall_s"} and [s[0] for s in fake.seen] == ["/generate"]
+
+
+async def test_an_unreachable_fleet_is_502(http: httpx.AsyncClient) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connections refused
+        async with _gateway(closed, http) as gw:
+            r = await http.post(f"{gw.base_url}/generate", headers=auth(gw), json={"text": "x"})
+            assert r.status_code == 502 and "unreachable" in r.json()["message"]
+            assert gw.violation is None and gw.calls[-1].status == 502
 
 
 @pytest.mark.parametrize(("path", "content", "status", "says"), [
