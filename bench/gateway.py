@@ -10,7 +10,9 @@ The direct call carries the fleet's key; the gateway call the gateway's token, a
 adds the key, checks the version, counts and records. The client and the gateway share one event
 loop (the worker runs user code in another process: this is the pessimistic case).
 `overhead` is per pair (gateway call minus the direct call next to it): p50, p99, and the p50 as a
-percentage of the direct call's p50.
+percentage of the direct call's p50. `CPU` is this process's CPU time per call (client, plus the
+gateway for the gateway calls; the router and engine run elsewhere): its difference is the
+gateway's own work, which a loaded machine stretches in wall time.
 
 Usage: `python -m bench gateway [--calls N] [--max-new-tokens N]` (defaults 200, 8).
 """
@@ -62,7 +64,9 @@ def start_fleet(base: Path) -> LaunchedFleet:
     return launch_fleet([spec], log_dir=base / "logs", keys=keys, ready_timeout_s=180)
 
 
-async def measure(fleet: LaunchedFleet, calls: int, max_new: int) -> dict[str, list[float]]:
+async def measure(
+    fleet: LaunchedFleet, calls: int, max_new: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     assert fleet.router_url is not None and fleet.keys is not None
     router = fleet.router_url
     bodies: dict[str, tuple[str, dict[str, Any]]] = {
@@ -72,6 +76,7 @@ async def measure(fleet: LaunchedFleet, calls: int, max_new: int) -> dict[str, l
                                           "max_tokens": max_new, "temperature": 0}),
     }  # fmt: skip
     times: dict[str, list[float]] = {f"{k} {v}": [] for k in bodies for v in ("direct", "via gateway")}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=60) as user:
         session = PointSession(RouterGenerator(http, router, api_key=fleet.keys.api), expected_version="1",
                                rid_prefix="bench")
@@ -81,26 +86,29 @@ async def measure(fleet: LaunchedFleet, calls: int, max_new: int) -> dict[str, l
             for i in range(calls + 5):  # the first 5 rounds warm up
                 for name, (path, body) in bodies.items():
                     for variant, (url, headers) in targets.items():
-                        t0 = time.perf_counter()
+                        c0, t0 = time.process_time(), time.perf_counter()
                         r = await user.post(url + path, json=body, headers=headers)
-                        elapsed = time.perf_counter() - t0
+                        elapsed, used = time.perf_counter() - t0, time.process_time() - c0
                         assert r.status_code == 200, r.text
                         if i >= 5:
                             times[f"{name} {variant}"].append(elapsed)
+                            cpu[f"{name} {variant}"].append(used)
             assert gw.violation is None and all(c.status == 200 for c in gw.calls)
-    return times
+    return times, cpu
 
 
-def table(times: dict[str, list[float]]) -> list[str]:
-    lines = ["| call | direct p50 ms | via gateway p50 ms | overhead p50 ms | overhead p99 ms | overhead p50 % |",
-             "|---|---|---|---|---|---|"]
+def table(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> list[str]:
+    lines = ["| call | direct p50 ms | via gateway p50 ms | overhead p50 ms | overhead p99 ms | overhead p50 % "
+             "| CPU direct ms (mean) | CPU via gateway ms (mean) |", "|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(k.rsplit(" ", 1)[0].removesuffix(" via") for k in times):
         direct, via = times[f"{name} direct"], times[f"{name} via gateway"]
         over = [g - d for g, d in zip(via, direct, strict=True)]
         d50 = statistics.median(direct)
         o50 = statistics.median(over)
         lines.append(f"| {name} | {d50 * 1000:.2f} | {statistics.median(via) * 1000:.2f} | {o50 * 1000:.2f} | "
-                     f"{_pct(over, 0.99) * 1000:.2f} | {100 * o50 / d50:.1f} |")
+                     f"{_pct(over, 0.99) * 1000:.2f} | {100 * o50 / d50:.1f} | "
+                     f"{statistics.mean(cpu[f'{name} direct']) * 1000:.2f} | "
+                     f"{statistics.mean(cpu[f'{name} via gateway']) * 1000:.2f} |")
     return lines
 
 
@@ -113,9 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         fleet = start_fleet(Path(tmp))
         try:
-            times = asyncio.run(measure(fleet, args.calls, args.max_new_tokens))
+            times, cpu = asyncio.run(measure(fleet, args.calls, args.max_new_tokens))
         finally:
             fleet.stop()
     print(f"{args.calls} calls per variant, max_new_tokens {args.max_new_tokens}, {os.cpu_count()} CPUs, "
           f"load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")
-    print("\n".join(table(times)))
+    print("\n".join(table(times, cpu)))

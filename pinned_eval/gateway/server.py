@@ -217,6 +217,9 @@ class PointGateway:
         except _Refused as exc:
             record.status, record.error = exc.status, exc.message
             return _error(exc.status, exc.message)
+        except Exception as exc:  # a gateway bug: one line to the caller, the record keeps it
+            record.status, record.error = 500, f"point gateway error: {type(exc).__name__}: {exc}"
+            return _error(500, record.error)
         finally:
             record.latency_s = time.perf_counter() - started
             self.calls.append(record)
@@ -242,7 +245,9 @@ class PointGateway:
 
     async def _body(self, request: Request, path: str) -> dict[str, Any]:
         length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+        if length is not None and not length.isdigit():
+            raise _Refused(400, "Content-Length: not a number")
+        if length is not None and int(length) > MAX_BODY:
             raise _Refused(413, f"request body over {MAX_BODY} bytes")
         raw = bytearray()
         async for chunk in request.stream():

@@ -287,3 +287,16 @@ def test_limits_are_strict() -> None:
     with pytest.raises(ValidationError, match="max_requests"):
         GatewayLimits(max_requests=0)
     assert GatewayLimits().max_tokens is None
+
+
+class _BrokenSession(PointSession):
+    async def forward(self, method: str, path: str, body: dict[str, Any] | None, *, rid: str) -> tuple[int, Any]:
+        raise ValueError("injected fault")
+
+
+async def test_a_gateway_fault_is_one_line_500_and_recorded(http: httpx.AsyncClient) -> None:
+    session = _BrokenSession(RouterGenerator(http, "http://127.0.0.1:9"), expected_version="7", rid_prefix="p")
+    async with PointGateway(session, GatewayLimits()) as gw:
+        r = await http.post(f"{gw.base_url}/generate", headers=auth(gw), json={"text": "x"})
+        assert (r.status_code, r.json()["message"]) == (500, "point gateway error: ValueError: injected fault")
+        assert (gw.calls[-1].status, gw.calls[-1].error) == (500, "point gateway error: ValueError: injected fault")
