@@ -300,3 +300,32 @@ async def test_a_gateway_fault_is_one_line_500_and_recorded(http: httpx.AsyncCli
         r = await http.post(f"{gw.base_url}/generate", headers=auth(gw), json={"text": "x"})
         assert (r.status_code, r.json()["message"]) == (500, "point gateway error: ValueError: injected fault")
         assert (gw.calls[-1].status, gw.calls[-1].error) == (500, "point gateway error: ValueError: injected fault")
+
+
+@pytest.mark.parametrize(("payload", "ok"), [
+    ({"meta_info": {"weight_version": "7"}}, True),
+    ([{"meta_info": {"weight_version": "7"}}, {"meta_info": {"weight_version": "7"}}], True),
+    ([{"meta_info": {"weight_version": "7"}}, {"meta_info": {"weight_version": "6"}}], False),  # a batch item
+    ({"meta_info": {"weight_version": "7", "weight_versions": [{"version": "6"}, {"version": "7"}]}}, False),
+    ({"metadata": {"weight_version": "7"}, "choices": []}, True),
+    ({"choices": []}, False),  # a reply naming no version
+    ({"metadata": {"weight_version": 7}}, False),
+])  # fmt: skip
+def test_every_result_of_a_raw_reply_must_name_the_version(payload: Any, ok: bool) -> None:
+    from pinned_eval.fleet.generate import check_reply_version
+
+    if ok:
+        assert check_reply_version(payload, "7") == "7"
+    else:
+        with pytest.raises(WeightVersionMismatch):
+            check_reply_version(payload, "7")
+
+
+def test_aborts_are_seen_on_generate_and_v1() -> None:
+    from pinned_eval.fleet.generate import reply_aborted
+
+    assert reply_aborted({"meta_info": {"finish_reason": {"type": "abort"}}})
+    stop, abort = ({"meta_info": {"finish_reason": {"type": t}}} for t in ("stop", "abort"))
+    assert reply_aborted([stop, abort]) and not reply_aborted([stop])
+    assert reply_aborted({"choices": [{"finish_reason": "abort"}]})
+    assert not reply_aborted({"choices": [{"finish_reason": "stop"}], "meta_info": None})
