@@ -18,7 +18,8 @@ Contract:
 - `forward(method, path, body, rid=)`: a caller's own body (the point gateway's `/generate` and
   `/v1/...` requests) through `RouterGenerator.forward` — same bound, abort retries, version check
   (none for GETs); a single-prompt `/generate` body gets the rid `<rid_prefix>-<rid>` and, in adapter
-  mode, `lora_path`; a 200 reply's tokens (`meta_info` or `usage`) are counted like `generate`'s.
+  mode, `lora_path`; a POST is counted like `generate` (a request, and a 200 reply's tokens from
+  `meta_info` or `usage`); a GET counts nothing.
 This module imports no Prefect.
 """
 
@@ -103,7 +104,8 @@ class PointSession:
                 body["rid"] = f"{self.rid_prefix}-{rid}"
             if self.lora is not None:
                 body["lora_path"] = self.lora
-        self.counters.requests += 1
+        if method == "POST":  # a model call; `GET /v1/models` is not one
+            self.counters.requests += 1
         status, payload = await self._generator.forward(
             method, path, body, self.expected_version if method == "POST" else None
         )

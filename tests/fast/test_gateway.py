@@ -133,6 +133,8 @@ async def test_forwards_with_the_fleet_key_only(fleet: tuple[FakeFleet, str], ht
                         "rid": "pt3-gw1"}
         models = await http.get(f"{gw.base_url}/v1/models", headers=auth(gw))
         assert models.json()["data"][0]["id"] == "m"
+        c = gw.session.counters  # a model call counted, the model listing not
+        assert (c.requests, c.completed, c.prompt_tokens, c.completion_tokens) == (1, 1, 3, 2)
         health = await http.get(f"{gw.base_url}/health")
         assert health.json() == {"status": "ok"}
         rec = gw.calls[0]
