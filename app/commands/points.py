@@ -30,6 +30,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 
+from app.commands._cli import STEP, fail
 from app.commands.errors import human_errors
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.inflight import RETRYABLE, TERMINAL
@@ -57,17 +58,12 @@ REQUEST_FLAGS = {**SOURCE_FLAGS, "run": "--run", "step": "--step", "max_in_fligh
                  "policy": "--policy", "posture": "--posture", **{b: f"--{b}" for b in BLOCK_FLAGS}}  # fmt: skip
 
 RunOpt = Annotated[str, typer.Option("--run", help="Training run name, e.g. exp42.")]
-StepOpt = Annotated[int, typer.Option("--step", min=0, help="Training step of the point.")]
+StepOpt = Annotated[int, typer.Option("--step", parser=STEP, help="Training step of the point.")]
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait for the point's terminal state and print it.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds --wait waits at most.")]
 DeploymentOpt = Annotated[
     str, typer.Option("--deployment", help="Deployment that runs new points (<flow>/<deployment>).")
 ]
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from app.commands.points import fail, prefect_client
+from app.commands._cli import STEP, fail
+from app.commands.points import prefect_client
 
 if TYPE_CHECKING:
     from app.history import RunHistory
@@ -39,8 +40,8 @@ def _store(sinks: SinksBlock) -> ResultsStore:
 
 def compare(
     run: RunArg,
-    step_a: Annotated[int, typer.Argument(min=0, help="Step A (the earlier point, usually).")],
-    step_b: Annotated[int, typer.Argument(min=0, help="Step B.")],
+    step_a: Annotated[int, typer.Argument(parser=STEP, help="Step A (the earlier point, usually).")],
+    step_b: Annotated[int, typer.Argument(parser=STEP, help="Step B.")],
     sinks: SinksOpt = "default",
     threshold: Annotated[
         float, typer.Option("--threshold", help="An example is correct when its mean reward is >= this.")
@@ -68,7 +69,7 @@ def compare(
 
 def rescore(
     run: RunArg,
-    step: Annotated[int, typer.Argument(min=0, help="Step of the point.")],
+    step: Annotated[int, typer.Argument(parser=STEP, help="Step of the point.")],
     suite: Annotated[str, typer.Option("--suite", help="Suite block whose rewards score the samples.")] = "default",
     sinks: SinksOpt = "default",
 ) -> None:

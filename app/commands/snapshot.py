@@ -24,6 +24,8 @@ from typing import Annotated, Any
 
 import typer
 
+from app.commands._cli import fail, in_words, refuse
+
 from pinned_eval.snapshot.check import SnapshotCheck, SnapshotProblem, check_snapshot
 from pinned_eval.snapshot.layout import MARKER
 from pinned_eval.snapshot.staging import Staging
@@ -69,8 +71,7 @@ def check(
     if result.complete:
         typer.echo(f"{result.path}: {result.detail}")
         return
-    typer.echo(f"{result.path}: incomplete: {result.problem}: {result.detail}", err=True)
-    raise typer.Exit(code=1)
+    fail(f"{result.path}: incomplete: {result.problem}: {result.detail}")
 
 
 def mark_complete(directory: Path) -> tuple[SnapshotCheck, bool]:
@@ -98,14 +99,12 @@ def mark(
     (points refuse a snapshot without it as ckpt_missing)."""
     directory = Path(path)
     if "://" in path or not directory.is_dir():
-        typer.echo(f"error: DIRECTORY: {path} is not a local directory", err=True)
-        raise typer.Exit(2)
+        refuse(f"DIRECTORY: {path} is not a local directory")
     result, written = mark_complete(directory)
     if not result.complete:
         fix = (f"; if the files are final, remove {directory / MARKER} and mark again"
                if result.problem in (SnapshotProblem.STALE_MARKER, SnapshotProblem.BAD_MARKER) else "")
-        typer.echo(f"error: {result.path}: not marked: {result.problem}: {result.detail}{fix}", err=True)
-        raise typer.Exit(1)
+        fail(f"{result.path}: not marked: {result.problem}: {result.detail}{fix}")
     typer.echo(f"{result.path}: {'marked' if written else 'already marked'} {result.detail}")
 
 
@@ -117,16 +116,14 @@ def tiny_model(
 ) -> None:
     """Write a tiny HF causal LM + tokenizer, fully offline, marked complete (usable as an hf source)."""
     if arch not in ("llama", "qwen2", "qwen3"):
-        typer.echo(f"error: --arch must be llama, qwen2 or qwen3, got {arch!r}", err=True)
-        raise typer.Exit(code=2)
+        refuse(f"--arch must be llama, qwen2 or qwen3, got {arch!r}")
     from engine.tiny_model import make_tiny_model  # torch/transformers: `--help` stays fast
 
     (out / MARKER).unlink(missing_ok=True)  # rewriting the files: an old marker would vouch for them
     path = make_tiny_model(out, arch=arch, seed=seed, max_shard_size=max_shard_size)  # type: ignore[arg-type]
     result, _ = mark_complete(path)
     if not result.complete:  # the engine wrote something the check refuses: a bug, said as such
-        typer.echo(f"error: {path}: written but not complete: {result.problem}: {result.detail}", err=True)
-        raise typer.Exit(code=1)
+        fail(f"{path}: written but not complete: {result.problem}: {result.detail}")
     typer.echo(str(path.resolve()))
 
 
@@ -171,8 +168,7 @@ def export(
                 export_megatron_checkpoint,  # torch: slow import; `pinned-eval --help` stays fast
             )
         except ImportError as e:
-            typer.echo(f"Megatron export is not available in this install: {e}", err=True)
-            raise typer.Exit(code=1) from None
+            fail(f"Megatron export is not available in this install: {e}")
         run = partial(export_megatron_checkpoint, megatron_ckpt, str(hf_base), out,
                       max_shard_bytes=shard_bytes, storage_options=opts)
     else:
@@ -191,6 +187,5 @@ def export(
     try:
         result = run()
     except (ValueError, KeyError, OSError) as e:  # plan/name mismatches, unreadable input, storage errors
-        typer.echo(f"export failed (partial output removed): {type(e).__name__}: {e}", err=True)
-        raise typer.Exit(code=1) from None
+        fail(f"export failed (partial output removed): {in_words(e)}")
     typer.echo(f"{result.path}: {result.shards} shards, {result.bytes} bytes in {result.seconds:.2f} s")

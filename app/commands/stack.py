@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from app.commands import blocks
+from app.commands._cli import fail
 from pinned_eval.settings import get_settings
 
 server_app = typer.Typer(help="A local Prefect server (SQLite, filesystem lease storage) on 127.0.0.1.",
@@ -53,8 +54,7 @@ def deploy() -> None:
     try:
         _stack().deploy()
     except RuntimeError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1) from None
+        fail(str(exc))
     typer.echo("deployed eval-point (trigger: pinned-eval.point.requested)")
     blocks.note_missing_blocks()
 

@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from app.commands._cli import refuse
+
 app = typer.Typer(help="Eval suites: load miles' eval config.", no_args_is_help=True)
 
 
@@ -45,8 +47,7 @@ def miles(
     try:
         suite = EvalSuite.from_miles_yaml(path, variables=variables, strict_miles=strict_miles, rm_type=rm_type)
     except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        refuse(str(exc))
     typer.echo(json.dumps([ds.model_dump(mode="json") for ds in suite.resolved()], indent=2))
     if save:
         from blocks import EvalSuiteBlock  # prefect: slow import; `pinned-eval --help` stays fast
