@@ -60,11 +60,17 @@ def debug_enabled() -> bool:
     return _debug or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def short(text: object, limit: int = 160) -> str:
+    """`text` (a path, a URL) cut in the middle to at most `limit` characters, NUL bytes shown as `\\0`."""
+    s = str(text).replace("\0", "\\0")
+    return s if len(s) <= limit else f"{s[: limit // 2 - 2]}...{s[-(limit // 2 - 1):]}"
+
+
 def in_words(exc: BaseException) -> str:
     """What went wrong, without the exception's class: an OS error as `PATH: reason`, else its text
     (first line only); a message-less exception says only that the operation failed unexpectedly."""
     if isinstance(exc, OSError) and exc.strerror:
-        where = f"{exc.filename}: " if exc.filename is not None else ""
+        where = f"{short(exc.filename)}: " if exc.filename is not None else ""
         return f"{where}{exc.strerror}"
     text = str(exc).strip()
     if isinstance(exc, KeyError) and text.startswith("'"):
@@ -142,7 +148,39 @@ class PinnedTyper(typer.Typer):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         guard_all(self)  # commands registered on sub-Typers after they were added
-        return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except SystemExit as done:
+            if "pyarrow" not in sys.modules:
+                raise
+            exit_without_native_teardown(done.code)
+
+
+def exit_without_native_teardown(code: object) -> NoReturn:
+    """End a CLI process that loaded Arrow: join the non-daemon threads and run the atexit hooks as
+    a normal exit does, flush, then `os._exit` — skipping the C++ static destructors, where Arrow's
+    thread pools, torn down with a worker still joinable, abort a finished process now and then
+    (exit 134, "terminate called without an active exception": `compare`, 1 run in 5)."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # `sys.exit("message")`: printed, exit 1, as Python does
+        print(code, file=sys.stderr)
+        status = 1
+    os._exit(status)
 
 
 INT64_MAX = 2**63 - 1

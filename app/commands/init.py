@@ -49,6 +49,7 @@ staging:                     # where points stage snapshots, and where your chec
 
 sinks:                       # where metrics go besides the Prefect UI
   jsonl: .pinned-eval/metrics.jsonl
+  # results_root: .pinned-eval/results   # keep every point's samples: `pinned-eval compare` / `rescore`
   # wandb_project: my-project
   # wandb_mode: offline      # offline, online or disabled
 """

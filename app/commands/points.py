@@ -100,10 +100,34 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
     try:
         with (contextlib.nullcontext() if same else use_server(url, auth_string=auth),
               get_client(sync_client=True) as client):  # fmt: skip
-            yield client
+            try:
+                yield client
+            finally:
+                drain_events()
     except httpx.TransportError as exc:
         hint = f" (the server {stack.home} recorded: is it up? `pinned-eval server up`)" if url == recorded else ""
         fail(f"cannot reach the Prefect API at {url}{hint}: {exc}")
+
+
+EVENTS_DRAIN_S = 5.0
+
+
+def drain_events() -> None:
+    """Send the events Prefect's client queued (a block load emits one) while this process still
+    points at the server, and stop its events thread: left to the interpreter's exit, the drain took
+    seconds and raced native threads' teardown (pyarrow's), aborting `compare` (exit 134,
+    "terminate called without an active exception") after it printed its answer."""
+    import logging
+
+    from prefect.events.worker import EventsWorker  # prefect: slow import; `pinned-eval --help` stays fast
+
+    quiet = logging.getLogger("prefect.EventsWorker")  # "Still processing items: 1 items remaining..."
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        EventsWorker.drain_all(timeout=EVENTS_DRAIN_S)
+    finally:
+        quiet.setLevel(level)
 
 
 def parse_source(text: str, hf_base: str | None) -> SnapshotSource:

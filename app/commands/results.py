@@ -8,7 +8,8 @@
   were, and `eval/rescored: 1`.
 
 Exit codes: 0 success; 1 nothing stored for the point (or no results store configured), or
-Prefect unreachable; 2 bad input (a suite without the stored datasets, a bad option value).
+Prefect unreachable; 2 bad input (a suite without the stored datasets, a `custom:` reward whose
+module cannot be imported here — it must be on PYTHONPATH or installed — or a bad option value).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from app.commands._cli import STEP, fail
+from app.commands._cli import STEP, fail, in_words
 from app.commands.points import prefect_client
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
         missing = sorted(stored - {ds.name for ds in datasets})
         fail(f"--suite: suite block {suite._block_document_name!r} has no dataset {', '.join(missing)} "
              f"(stored for {run} step {step})", 2)  # fmt: skip
+    check_custom_rewards(datasets)
     per_ds, _, rewards = score_generations(gens, datasets, suite.suite, step)
     write_samples(store, run, step, gens, rewards, table_key(table), rescored=True, link=False)
     if sinks.jsonl_path:
@@ -122,6 +124,23 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
         ]  # fmt: skip
         jsonl.write_point(rows)
     return per_ds
+
+
+CUSTOM_HINT = ("a custom reward's module must be importable by this command's Python and the worker's: "
+               "installed in the environment, or in a directory on PYTHONPATH when the command starts "
+               "(e.g. `PYTHONPATH=$PWD pinned-eval worker`; docs/blocks.md, Rewards)")
+
+
+def check_custom_rewards(datasets: list) -> None:  # type: ignore[type-arg]
+    """Exit 2 naming the dataset when a `custom:` reward cannot be imported here (`CUSTOM_HINT`)."""
+    from pinned_eval.scoring.rewards import CUSTOM_PREFIX, get_reward
+
+    for ds in datasets:
+        if str(ds.reward).startswith(CUSTOM_PREFIX):
+            try:
+                get_reward(ds.reward)
+            except (ValueError, ImportError) as exc:
+                fail(f"--suite: dataset {ds.name!r}: {in_words(exc)}; {CUSTOM_HINT}", 2)
 
 
 def last_two_compared(history: RunHistory, sinks: str) -> str:

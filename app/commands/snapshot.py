@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import typer
 
-from app.commands._cli import fail, in_words, refuse
+from app.commands._cli import fail, in_words, refuse, short
 
 from pinned_eval.snapshot.check import SnapshotCheck, SnapshotProblem, check_snapshot
 from pinned_eval.snapshot.layout import MARKER
@@ -67,7 +67,17 @@ def check(
 ) -> None:
     """Exit 0 when the snapshot is complete; otherwise print the reason and exit 1."""
 
-    result = check_snapshot(path_or_url, _options(path_or_url, endpoint_url))
+    if "\0" in path_or_url:
+        refuse("PATH_OR_URL: a path cannot contain a NUL byte")
+    if "://" in path_or_url and not path_or_url.startswith(("s3://", "s3a://", "file://")):
+        refuse(f"PATH_OR_URL: {short(path_or_url)}: only a local directory or s3://bucket/prefix can be checked")
+    try:
+        result = check_snapshot(path_or_url, _options(path_or_url, endpoint_url))
+    except Exception as exc:  # storage errors (no credentials, no such bucket, a name too long): one line
+        hint = ""
+        if path_or_url.startswith(("s3://", "s3a://")):
+            hint = " (S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; --endpoint-url for MinIO)"
+        fail(f"{short(path_or_url)}: cannot check: {in_words(exc)}{hint}")
     if result.complete:
         typer.echo(f"{result.path}: {result.detail}")
         return
@@ -120,7 +130,10 @@ def tiny_model(
     from engine.tiny_model import make_tiny_model  # torch/transformers: `--help` stays fast
 
     (out / MARKER).unlink(missing_ok=True)  # rewriting the files: an old marker would vouch for them
-    path = make_tiny_model(out, arch=arch, seed=seed, max_shard_size=max_shard_size)  # type: ignore[arg-type]
+    try:
+        path = make_tiny_model(out, arch=arch, seed=seed, max_shard_size=max_shard_size)  # type: ignore[arg-type]
+    except OSError as exc:  # an unwritable or special --out (/proc/self, a file): one line naming the flag
+        fail(f"--out: {in_words(exc)}")
     result, _ = mark_complete(path)
     if not result.complete:  # the engine wrote something the check refuses: a bug, said as such
         fail(f"{path}: written but not complete: {result.problem}: {result.detail}")
