@@ -27,6 +27,12 @@ DEBUG_ENV = "PINNED_EVAL_DEBUG"
 ERROR_PREFIX = "error: "
 _GUARDED = "__pinned_eval_guarded__"
 F = TypeVar("F", bound=Callable[..., Any])
+# Typer's own exits and usage errors (its click, and click's): exit codes 3/4, click's usage box
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+PASS_THROUGH: tuple[type[BaseException], ...] = (
+    typer.Exit, typer.Abort, _CLICK_ERROR, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
+    KeyboardInterrupt,
+)
 
 
 class CliError(Exception):
@@ -107,7 +113,7 @@ def guarded(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, KeyboardInterrupt):
+        except PASS_THROUGH:
             raise
         except RecursionError as exc:  # e.g. a deeply nested YAML file: said as such, never a traceback
             _report(CliError(f"input nested too deeply to read ({in_words(exc)})", 2))

@@ -30,7 +30,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 
-from app.commands._cli import STEP, fail
+from app.commands._cli import STEP, fail, in_words
 from app.commands.errors import human_errors
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.inflight import RETRYABLE, TERMINAL
@@ -97,6 +97,7 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
         auth = stack.auth_string()
     current_auth = current.auth_string.get_secret_value() if current.auth_string is not None else None
     same = url == current.url and auth == current_auth  # nothing to change
+    check_reachable(url)
     try:
         with (contextlib.nullcontext() if same else use_server(url, auth_string=auth),
               get_client(sync_client=True) as client):  # fmt: skip
@@ -105,8 +106,28 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
             finally:
                 drain_events()
     except httpx.TransportError as exc:
-        hint = f" (the server {stack.home} recorded: is it up? `pinned-eval server up`)" if url == recorded else ""
-        fail(f"cannot reach the Prefect API at {url}{hint}: {exc}")
+        unreachable(url, exc)
+
+
+def unreachable(url: str, exc: BaseException) -> NoReturn:
+    """Exit 1: the API at `url` does not answer; say where the URL came from and how to start a server."""
+    stack_home = get_settings().home
+    from_home = os.environ.get("PREFECT_API_URL") != url
+    hint = (f" (the server {stack_home} recorded: is it up? `pinned-eval server up`)" if from_home else
+            " (PREFECT_API_URL): is that server up? `pinned-eval server up` starts this home's")  # fmt: skip
+    fail(f"cannot reach the Prefect API at {url}{hint}: {in_words(exc)}")
+
+
+def check_reachable(url: str) -> None:
+    """One plain `GET /health` (no retries) before the verb: a server that is down is one line naming
+    `pinned-eval server up` at once, whatever Prefect call the verb would have failed in, and after
+    however many retries."""
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=10.0)
+    except httpx.TransportError as exc:
+        unreachable(url, exc)
+    except httpx.InvalidURL as exc:
+        fail(f"the Prefect API URL {url!r} is not a URL: {in_words(exc)}", 2)
 
 
 EVENTS_DRAIN_S = 5.0
@@ -121,7 +142,7 @@ def drain_events() -> None:
 
     from prefect.events.worker import EventsWorker  # prefect: slow import; `pinned-eval --help` stays fast
 
-    quiet = logging.getLogger("prefect.EventsWorker")  # "Still processing items: 1 items remaining..."
+    quiet = logging.getLogger(EventsWorker.__name__)  # its "Still processing items: 1 items remaining..."
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
