@@ -31,7 +31,9 @@ app = PinnedTyper(
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help=f"Print the traceback of an unexpected error (or {DEBUG_ENV}=1).")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help=f"Print the traceback of an unexpected error (or {DEBUG_ENV}=1).")
+    ] = False,
 ) -> None:
     set_debug(debug)
 

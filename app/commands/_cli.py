@@ -13,6 +13,7 @@ No Python traceback reaches a user who did not ask for one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -175,10 +176,8 @@ def exit_without_native_teardown(code: object) -> NoReturn:
             thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more to say
-            pass
     if code is None:
         status = 0
     elif isinstance(code, int):

@@ -18,7 +18,6 @@ from typing import Annotated, Any
 import typer
 
 from app.commands._cli import fail, refuse
-
 from pinned_eval.fleet.launcher import LaunchedFleet, default_state_file, launch_cpu_fleet, launch_sglang_fleet
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec
 from pinned_eval.processes import LaunchError

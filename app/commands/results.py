@@ -15,7 +15,7 @@ module cannot be imported here — it must be on PYTHONPATH or installed — or 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -131,7 +131,7 @@ CUSTOM_HINT = ("a custom reward's module must be importable by this command's Py
                "(e.g. `PYTHONPATH=$PWD pinned-eval worker`; docs/blocks.md, Rewards)")
 
 
-def check_custom_rewards(datasets: list) -> None:  # type: ignore[type-arg]
+def check_custom_rewards(datasets: list[Any]) -> None:
     """Exit 2 naming the dataset when a `custom:` reward cannot be imported here (`CUSTOM_HINT`)."""
     from pinned_eval.scoring.rewards import CUSTOM_PREFIX, get_reward
 

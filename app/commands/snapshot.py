@@ -25,7 +25,6 @@ from typing import Annotated, Any
 import typer
 
 from app.commands._cli import fail, in_words, refuse, short
-
 from pinned_eval.snapshot.check import SnapshotCheck, SnapshotProblem, check_snapshot
 from pinned_eval.snapshot.layout import MARKER
 from pinned_eval.snapshot.staging import Staging

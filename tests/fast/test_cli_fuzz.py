@@ -13,7 +13,6 @@ says the API is unreachable and how to start it.
 from __future__ import annotations
 
 import errno
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,7 +174,8 @@ def test_with_the_server_down_every_api_verb_says_so_and_how_to_start_it(sandbox
     (tmp_path / "proj.yaml").write_text("sinks:\n  jsonl: m.jsonl\n")
     verbs = [
         ["request", "--run", "r", "--step", "1", "--source", f"hf:{tmp_path}"], ["rerun", "--run", "r", "--step", "1"],
-        ["status", "--run", "r"], ["best", "r", "--metric", "eval/x"], ["compare", "r", "1", "2"], ["rescore", "r", "1"],
+        ["status", "--run", "r"], ["best", "r", "--metric", "eval/x"], ["compare", "r", "1", "2"],
+        ["rescore", "r", "1"],
         ["block", "list"], ["block", "show", "suite"], ["block", "apply", "proj.yaml"],
         ["block", "save", "sinks", "x", "--jsonl", "m.jsonl"], ["suite", "miles", "sample.jsonl", "--save", "x"],
         ["janitor"], ["worker"],
@@ -190,3 +190,51 @@ def test_with_the_server_down_every_api_verb_says_so_and_how_to_start_it(sandbox
         assert code == 1 and last.startswith(f"error: cannot reach the Prefect API at {url}"), (args, out)
         assert "`pinned-eval server up`" in last, (args, out)
     assert sandbox == []  # nothing was started
+
+
+def test_the_boundary_keeps_exit_codes_and_formats_every_failure_in_one_line() -> None:
+    from pydantic import BaseModel
+
+    from app.commands._cli import CliError, PinnedTyper, in_words
+
+    class Model(BaseModel):
+        count: int
+
+    boundary = PinnedTyper()
+    raised: dict[str, BaseException] = {
+        "skipped": typer.Exit(3), "failed": typer.Exit(4), "usage": CliError("--x: bad", 2),
+        "broken": CliError("it broke"), "pydantic": _validation_error(Model), "oserror": FileNotFoundError(2, "No such "
+        "file or directory", "/x/y"), "bare": RuntimeError(), "multiline": ValueError("first\nsecond"),
+    }  # fmt: skip
+
+    @boundary.command("go")
+    def go(what: str) -> None:
+        raise raised[what]
+
+    @boundary.command("other")
+    def other() -> None:  # a second command: Typer then dispatches by name
+        pass
+
+    def run(what: str) -> tuple[int, str]:
+        result = CliRunner().invoke(boundary, ["go", what])
+        return result.exit_code, result.output
+
+    assert run("skipped") == (3, "") and run("failed") == (4, "")
+    assert run("usage") == (2, "error: --x: bad\n") and run("broken") == (1, "error: it broke\n")
+    parse = "Input should be a valid integer, unable to parse string as an integer"
+    assert run("pydantic") == (2, f"error: count: {parse}\n")
+    hint = " (--debug shows the traceback)\n"
+    assert run("oserror") == (1, "error: /x/y: No such file or directory" + hint)
+    assert run("bare") == (1, "error: the operation failed unexpectedly" + hint)
+    assert run("multiline") == (1, "error: first" + hint)
+    assert in_words(KeyError("k")) == "missing key 'k'"
+
+
+def _validation_error(model: type) -> BaseException:
+    from pydantic import ValidationError
+
+    try:
+        model.model_validate({"count": "x"})  # type: ignore[attr-defined]
+    except ValidationError as exc:
+        return exc
+    raise AssertionError("no error")
