@@ -166,3 +166,20 @@ def test_block_verbs_save_show_list_and_name_missing_blocks(
                                       "save sinks nope-nope --jsonl FILE`")  # fmt: skip
     code, out = cli("block", "show", "stagin", name)
     assert (code, out.strip()) == (2, "error: KIND: 'stagin' is not one of suite, fleet, staging, sinks, backend")
+
+
+def test_results_root_is_a_flag_and_a_key_and_a_later_apply_names_what_it_resets(
+    prefect_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    name = f"r-{uuid.uuid4().hex[:6]}"
+    assert cli("block", "save", "sinks", name, "--jsonl", "m.jsonl", "--results-root", "res") == (
+        0, f"saved sinks block {name!r}\n")
+    assert SinksBlock.load(name).results_root == str(tmp_path / "res")
+    (tmp_path / "p.yaml").write_text("sinks:\n  jsonl: m.jsonl\n  results_root: kept\n")
+    assert cli("block", "apply", "p.yaml", "--name", name) == (0, f"replaced sinks block {name!r}\n")
+    assert SinksBlock.load(name).results_root == str(tmp_path / "kept")
+    (tmp_path / "p.yaml").write_text("sinks:\n  jsonl: m.jsonl\n")  # the key removed: said, not silent
+    assert cli("block", "apply", "p.yaml", "--name", name) == (
+        0, f"replaced sinks block {name!r}; reset to default: results_root (was \"{tmp_path / 'kept'}\")\n")
+    assert SinksBlock.load(name).results_root is None
