@@ -219,8 +219,8 @@ def _build(st: EngineState, req: GenerateRequest) -> tuple[list[Sequence], bool]
         if len(ids) + item.params.max_new_tokens > runner.context_len:
             raise ProtocolError(
                 f"sampling_params.max_new_tokens: requested {len(ids)} + {item.params.max_new_tokens} "
-                f"tokens, "
-                f"more than the context length ({runner.context_len})"
+                f"tokens, more than the context length ({runner.context_len}); lower the suite's max_new_tokens "
+                "(`pinned-eval block save suite --max-new-tokens N`, `max_response_len` in a miles eval YAML)"
             )
         rid = item.rid or uuid.uuid4().hex
         for j in range(item.params.n):
