@@ -87,6 +87,27 @@ def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
     assert done.returncode == 2 and done.stderr.startswith(f"error: --source: {proj / 'elsewhere'} is outside the "
                                                            f"source roots of staging block {name!r}"), done.stderr
     assert "nothing was sent" in done.stderr and "SourceOutsideRoots" not in done.stderr
+    # the same point sent by an older client: it fails before the flow tags it; `rerun` and a plain
+    # `request` of that step find it and name the command that works (no wait on a useless hint)
+    from prefect import get_client
+
+    from pinned_eval.polling import poll_until
+
+    with get_client(sync_client=True) as client:
+        early = client.create_flow_run_from_deployment(deployed.deployment_id, parameters={
+            "run": run, "step": 7, "source": {"kind": "hf", "path": str(proj / "elsewhere")}, "suite": f"{name}-miles",
+            **{k: name for k in ("fleet", "staging", "sinks")}})  # fmt: skip
+        poll_until(lambda: ((fr := client.read_flow_run(early.id)).state and fr.state.is_final()) or None,
+                   timeout_s=240, interval_s=0.5, what="the early failure")  # fmt: skip
+    done = pe("rerun", "--run", run, "--step", "7", env=env, cwd=proj)
+    assert done.returncode == 1 and done.stderr.startswith(f"error: {run}/step-7 ({early.id}) ended before it "
+                                                           "started"), done.stderr
+    assert done.stderr.rstrip().endswith(f"request it again: `pinned-eval request --run {run} --step 7 --source "
+                                         f"hf:{proj / 'elsewhere'} --force-new`"), done.stderr
+    done = pe("request", "--run", run, "--step", "7", "--source", "hf:ckpt/tiny", f"--suite={name}-miles",
+              *(f"--{k}={name}" for k in ("fleet", "staging", "sinks")), env=env, cwd=proj)  # fmt: skip
+    assert done.returncode == 2 and f"was requested before ({early.id}) and ended before it started" in done.stderr
+    assert "`--force-new` requests a fresh point of the step" in done.stderr, done.stderr
 
     # a relative source: made absolute here, where the user typed it (the worker runs elsewhere)
     done = pe("request", "--run", run, "--step", "0", "--source", "hf:ckpt/tiny", f"--suite={name}-miles",
@@ -95,9 +116,10 @@ def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
     assert done.returncode == 0, done.stdout + done.stderr
     assert ": Completed (completed)" in done.stdout.splitlines()[-1], done.stdout
     done = pe("status", "--run", run, "--json", env=env, cwd=proj)
-    [point] = json.loads(done.stdout)["points"]
+    point, early_point = sorted(json.loads(done.stdout)["points"], key=lambda p: p["step"])
     assert (point["outcome"], point["reason"], sorted(point["scores"])) == ("measured", None, ["Mine.v1"])
-    [row] = JsonlSink(proj / "metrics.jsonl").read(run)
+    assert (early_point["step"], early_point["outcome"]) != (7, "measured")
+    [row] = [r for r in JsonlSink(proj / "metrics.jsonl").read(run) if r.step == 0]
     assert (row.step, row.state, row.dataset, row.weight_version) == (0, "measured", "Mine.v1", "0")
     assert row.metrics["eval/Mine.v1-none_reward_ratio"] == 0.0  # every row of the user's file was scored
     measured = row.metrics["eval/Mine.v1"]
@@ -107,7 +129,7 @@ def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
     assert (done.returncode, json.loads(done.stdout), done.stderr) == (0, flips, ""), done.stderr
     done = pe("rescore", run, "0", f"--suite={name}-miles", f"--sinks={name}", env=env, cwd=proj)
     assert (done.returncode, done.stdout) == (0, f"Mine.v1: eval/Mine.v1={measured:.4f} (rescored)\n"), done.stderr
-    [row] = JsonlSink(proj / "metrics.jsonl").read(run)
+    [row] = [r for r in JsonlSink(proj / "metrics.jsonl").read(run) if r.step == 0]
     assert (row.metrics["eval/rescored"], row.metrics["eval/Mine.v1"]) == (1.0, measured)
 
 
