@@ -118,7 +118,8 @@ def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
     done = pe("status", "--run", run, "--json", env=env, cwd=proj)
     point, early_point = sorted(json.loads(done.stdout)["points"], key=lambda p: p["step"])
     assert (point["outcome"], point["reason"], sorted(point["scores"])) == ("measured", None, ["Mine.v1"])
-    assert (early_point["step"], early_point["outcome"]) != (7, "measured")
+    # the early failure is on record at its step (the JSONL row), with no flow run status could tag
+    assert [early_point[k] for k in ("step", "outcome", "reason", "flow_run_id")] == [7, "failed", "crashed", None]
     [row] = [r for r in JsonlSink(proj / "metrics.jsonl").read(run) if r.step == 0]
     assert (row.step, row.state, row.dataset, row.weight_version) == (0, "measured", "Mine.v1", "0")
     assert row.metrics["eval/Mine.v1-none_reward_ratio"] == 0.0  # every row of the user's file was scored
