@@ -264,9 +264,11 @@ class StagingSpec(_Spec):
 
 
 class SinksSpec(_Spec):
-    """A JSONL metrics file (`jsonl`) and/or W&B (`wandb_*`)."""
+    """A JSONL metrics file (`jsonl`) and/or W&B (`wandb_*`); `results_root` keeps every point's samples."""
 
     jsonl: Path | None = None
+    results_root: str | None = Field(default=None, min_length=1)
+    results_endpoint_url: str | None = None
     wandb_project: str | None = None
     wandb_entity: str | None = None
     wandb_run_id: str | None = None
@@ -284,6 +286,8 @@ class SinksSpec(_Spec):
             jsonl_path=_abs(base, self.jsonl) if self.jsonl else None, wandb_project=self.wandb_project,
             wandb_entity=self.wandb_entity, wandb_run_id=self.wandb_run_id, wandb_writer=self.wandb_writer,
             wandb_mode=self.wandb_mode, wandb_dir=_abs(base, self.wandb_dir) if self.wandb_dir else None,
+            results_root=_abs(base, self.results_root) if self.results_root else None,
+            results_endpoint_url=self.results_endpoint_url,
         )  # fmt: skip
 
 

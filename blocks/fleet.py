@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
 from pinned_eval.fleet.client import FleetClient, FleetConfig
+from pinned_eval.fleet.errors import FleetUnhealthy
 from pinned_eval.fleet.launcher import LaunchedFleet, launch_cpu_fleet, launch_sglang_fleet
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec
 from pinned_eval.points import BLOCK_NAME_PATTERN
@@ -123,7 +124,11 @@ class FleetBlock(Block):
         )
         if self.mode == "attach":
             return FleetClient(self.engine_urls, self.router_url, config=config)
-        launched = LaunchedFleet.load(Path(str(self.state_file)), api_key=config.api_key)
+        state = Path(str(self.state_file))
+        if not state.is_file():  # a typed skip naming the remedy, not a raw FileNotFoundError
+            raise FleetUnhealthy(f"fleet {self.name!r} is not up: no state file {state}; start it with "
+                                 f"`pinned-eval fleet up --model-path DIR --state-file {state}`")
+        launched = LaunchedFleet.load(state, api_key=config.api_key)
         return launched.client(config)  # keys this block does not set come from the 0600 state file
 
     def launch(self, *, ready_timeout_s: float = 1800.0) -> LaunchedFleet:

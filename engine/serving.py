@@ -57,7 +57,8 @@ def build(st: EngineState, items: list[PromptItem], batch: bool) -> list[Sequenc
         if len(ids) + item.params.max_new_tokens > runner.context_len:
             raise ProtocolError(
                 f"sampling_params.max_new_tokens: requested {len(ids)} + {item.params.max_new_tokens} tokens, "
-                f"more than the context length ({runner.context_len})"
+                f"more than the context length ({runner.context_len}); lower the suite's max_new_tokens "
+                "(`pinned-eval block save suite --max-new-tokens N`, `max_response_len` in a miles eval YAML)"
             )
         if item.logprobs is not None and item.logprobs.start_len > len(ids):
             raise ProtocolError(

@@ -64,8 +64,9 @@ def _save(kind: str, name: str, fields: dict[str, Any], overwrite: bool) -> None
         if not overwrite and block_exists(client, kind, name):
             fail(f"a {kind} block named {name!r} exists: pass --overwrite to replace it "
                  f"(`pinned-eval block show {kind} {name}` shows it)")  # fmt: skip
+        reset = resets(client, kind, name, block)
         block.save(name, overwrite=True)
-    typer.echo(f"saved {kind} block {name!r}")
+    typer.echo(f"saved {kind} block {name!r}{reset}")
 
 
 @save_app.command("suite")
@@ -186,13 +187,18 @@ def save_sinks(
     wandb_writer: Annotated[str, typer.Option("--wandb-writer", help="eval_run or shared.")] = "eval_run",
     wandb_mode: Annotated[str, typer.Option("--wandb-mode", help="offline, online or disabled.")] = "offline",
     wandb_dir: Annotated[Path | None, typer.Option("--wandb-dir", help="W&B's local files.")] = None,
+    results_root: Annotated[str | None, typer.Option("--results-root", help="Keep every point's samples "
+                                                     "(Parquet) under this directory or s3://bucket/prefix: "
+                                                     "`compare` and `rescore` read them.")] = None,
+    results_endpoint_url: Annotated[str | None, typer.Option("--results-endpoint-url", help="S3 endpoint of an "
+                                                             "s3:// --results-root.")] = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Save sinks: a JSONL metrics file and/or W&B (Prefect artifacts are always written)."""
     _save("sinks", name, {
         "jsonl": jsonl, "wandb_project": wandb_project, "wandb_entity": wandb_entity,
         "wandb_run_id": wandb_run_id, "wandb_writer": wandb_writer, "wandb_mode": wandb_mode,
-        "wandb_dir": wandb_dir,
+        "wandb_dir": wandb_dir, "results_root": results_root, "results_endpoint_url": results_endpoint_url,
     }, overwrite)  # fmt: skip
 
 
@@ -236,9 +242,11 @@ def apply(
     from app.commands.init import load_project_config
 
     try:
-        sections = load_project_config(path)
+        sections = load_project_config(path)  # the one reading step
     except ValueError as exc:
         fail(str(exc), 2)
+    except RecursionError:
+        fail(f"{path}: nested too deeply to read", 2)
     built: dict[str, Block] = {}
     for kind, fields in sections.items():
         try:
@@ -248,8 +256,35 @@ def apply(
     with prefect_client() as client:
         for kind, block in built.items():
             replaced = block_exists(client, kind, name)
+            reset = resets(client, kind, name, block) if replaced else ""
             block.save(name, overwrite=True)
-            typer.echo(f"{'replaced' if replaced else 'saved'} {kind} block {name!r}")
+            typer.echo(f"{'replaced' if replaced else 'saved'} {kind} block {name!r}{reset}")
+
+
+def resets(client: Any, kind: str, name: str, block: Block) -> str:
+    """`; reset: FIELD (was VALUE), ...` for each field of the saved block `name` that `block` sets back
+    to its default (a key the file or flags no longer give); "" when none or no block is saved.
+    Secret fields are compared by presence only and their values never shown."""
+    from prefect.exceptions import ObjectNotFound  # prefect: slow import; `pinned-eval --help` stays fast
+    from pydantic import SecretStr
+
+    try:
+        old = client.read_block_document_by_name(name, SLUGS[kind], include_secrets=False).data
+    except ObjectNotFound:
+        return ""
+    lost = []
+    for field, info in type(block).model_fields.items():
+        was, now = old.get(field), getattr(block, field, None)
+        if was in (None, [], {}, "") or field not in old:
+            continue
+        if isinstance(now, SecretStr) or was == "********":
+            if now is None:
+                lost.append(f"{field} (was set)")
+            continue
+        default = info.get_default(call_default_factory=True)
+        if now == default and was != (default.model_dump(mode="json") if hasattr(default, "model_dump") else default):
+            lost.append(f"{field} (was {json.dumps(was, default=str)[:80]})")
+    return f"; reset to default: {', '.join(lost)}" if lost else ""
 
 
 def missing_blocks(names: BlockNames | None = None) -> list[str]:

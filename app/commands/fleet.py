@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
+from app.commands._cli import fail, refuse
 from pinned_eval.fleet.launcher import LaunchedFleet, default_state_file, launch_cpu_fleet, launch_sglang_fleet
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec
 from pinned_eval.processes import LaunchError
@@ -70,8 +71,7 @@ def up(
     if path.exists():
         running = LaunchedFleet.load(path).running()
         if any(running.values()):
-            typer.echo(f"a fleet from {path} is still running; `pinned-eval fleet down` first", err=True)
-            raise typer.Exit(code=2)
+            refuse(f"a fleet from {path} is still running; `pinned-eval fleet down` first")
         path.unlink()
     try:
         if backend == "cpu":
@@ -92,8 +92,7 @@ def up(
         else:
             raise typer.BadParameter(f"unknown backend {backend!r}", param_hint="--backend")
     except LaunchError as exc:
-        typer.echo(f"fleet up failed: {exc}", err=True)
-        raise typer.Exit(code=1) from exc
+        fail(f"fleet up failed: {exc}")
     for url in fleet.engine_urls:
         typer.echo(f"engine {url}")
     typer.echo(f"router {fleet.router_url}")
@@ -112,8 +111,7 @@ def down(state_file: StateFileOpt = None) -> None:
     try:
         fleet.stop()
     except LaunchError as exc:
-        typer.echo(f"fleet down failed: {exc}", err=True)
-        raise typer.Exit(code=1) from exc
+        fail(f"fleet down failed: {exc}")
     typer.echo(f"stopped {len(fleet.engine_urls)} engines and the router from {path}")
 
 
@@ -123,7 +121,6 @@ def status(state_file: StateFileOpt = None) -> None:
 
     path = _state_path(state_file)
     if not path.exists():
-        typer.echo(f"no fleet state at {path}", err=True)
-        raise typer.Exit(code=1)
+        fail(f"no fleet state at {path}: is the fleet up? `pinned-eval fleet up --model-path DIR`")
     for name, alive in LaunchedFleet.load(path).running().items():
         typer.echo(f"{name} {'running' if alive else 'stopped'}")

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from app.block_specs import KINDS
+from app.commands._cli import fail
 
 CONFIG_NAME = "pinned-eval.yaml"
 
@@ -48,6 +49,7 @@ staging:                     # where points stage snapshots, and where your chec
 
 sinks:                       # where metrics go besides the Prefect UI
   jsonl: .pinned-eval/metrics.jsonl
+  # results_root: .pinned-eval/results   # keep every point's samples: `pinned-eval compare` / `rescore`
   # wandb_project: my-project
   # wandb_mode: offline      # offline, online or disabled
 """
@@ -87,8 +89,7 @@ def init(
     }
     existing = [str(p) for p in files if p.exists() or p.is_symlink()]
     if existing:
-        typer.echo(f"error: {', '.join(existing)} exists; nothing written (init never overwrites)", err=True)
-        raise typer.Exit(1)
+        fail(f"{', '.join(existing)} exists; nothing written (init never overwrites)")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "x") as f:  # exclusive: never replaces a file created meanwhile

@@ -30,6 +30,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 
+from app.commands._cli import STEP, fail, in_words
 from app.commands.errors import human_errors
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.inflight import RETRYABLE, TERMINAL
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from app.history import FlowRunRecord
 
 DEFAULT_DEPLOYMENT = "eval-point/eval-point"
+WORK_POOL = "pinned-eval"  # the pool `pinned-eval deploy` creates and `pinned-eval worker` polls
 SOURCE_KINDS = ", ".join(k.value for k in SourceKind)  # --help and the errors say the same
 # `request --wait` / `rerun --wait` exit codes by the point's outcome (0: measured)
 EXIT_SKIPPED = 3
@@ -57,17 +59,12 @@ REQUEST_FLAGS = {**SOURCE_FLAGS, "run": "--run", "step": "--step", "max_in_fligh
                  "policy": "--policy", "posture": "--posture", **{b: f"--{b}" for b in BLOCK_FLAGS}}  # fmt: skip
 
 RunOpt = Annotated[str, typer.Option("--run", help="Training run name, e.g. exp42.")]
-StepOpt = Annotated[int, typer.Option("--step", min=0, help="Training step of the point.")]
+StepOpt = Annotated[int, typer.Option("--step", parser=STEP, help="Training step of the point.")]
 WaitOpt = Annotated[bool, typer.Option("--wait", help="Wait for the point's terminal state and print it.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds --wait waits at most.")]
 DeploymentOpt = Annotated[
     str, typer.Option("--deployment", help="Deployment that runs new points (<flow>/<deployment>).")
 ]
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 @contextlib.contextmanager
@@ -100,13 +97,58 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
         auth = stack.auth_string()
     current_auth = current.auth_string.get_secret_value() if current.auth_string is not None else None
     same = url == current.url and auth == current_auth  # nothing to change
+    check_reachable(url)
     try:
         with (contextlib.nullcontext() if same else use_server(url, auth_string=auth),
               get_client(sync_client=True) as client):  # fmt: skip
-            yield client
+            try:
+                yield client
+            finally:
+                drain_events()
     except httpx.TransportError as exc:
-        hint = f" (the server {stack.home} recorded: is it up? `pinned-eval server up`)" if url == recorded else ""
-        fail(f"cannot reach the Prefect API at {url}{hint}: {exc}")
+        unreachable(url, exc)
+
+
+def unreachable(url: str, exc: BaseException) -> NoReturn:
+    """Exit 1: the API at `url` does not answer; say where the URL came from and how to start a server."""
+    stack_home = get_settings().home
+    from_home = os.environ.get("PREFECT_API_URL") != url
+    hint = (f" (the server {stack_home} recorded: is it up? `pinned-eval server up`)" if from_home else
+            " (PREFECT_API_URL): is that server up? `pinned-eval server up` starts this home's")  # fmt: skip
+    fail(f"cannot reach the Prefect API at {url}{hint}: {in_words(exc)}")
+
+
+def check_reachable(url: str) -> None:
+    """One plain `GET /health` (no retries) before the verb: a server that is down is one line naming
+    `pinned-eval server up` at once, whatever Prefect call the verb would have failed in, and after
+    however many retries."""
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=10.0)
+    except httpx.TransportError as exc:
+        unreachable(url, exc)
+    except httpx.InvalidURL as exc:
+        fail(f"the Prefect API URL {url!r} is not a URL: {in_words(exc)}", 2)
+
+
+EVENTS_DRAIN_S = 5.0
+
+
+def drain_events() -> None:
+    """Send the events Prefect's client queued (a block load emits one) while this process still
+    points at the server, and stop its events thread: left to the interpreter's exit, the drain took
+    seconds and raced native threads' teardown (pyarrow's), aborting `compare` (exit 134,
+    "terminate called without an active exception") after it printed its answer."""
+    import logging
+
+    from prefect.events.worker import EventsWorker  # prefect: slow import; `pinned-eval --help` stays fast
+
+    quiet = logging.getLogger(EventsWorker.__name__)  # its "Still processing items: 1 items remaining..."
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        EventsWorker.drain_all(timeout=EVENTS_DRAIN_S)
+    finally:
+        quiet.setLevel(level)
 
 
 def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
@@ -117,14 +159,43 @@ def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
     if not sep or not path or kind not in {k.value for k in SourceKind}:
         fail(f"--source: {text!r} must be KIND:PATH with KIND one of {SOURCE_KINDS}", 2)
     try:
-        return SnapshotSource(kind=kind, path=path, hf_base=hf_base)  # type: ignore[arg-type]
+        return SnapshotSource(kind=kind, path=absolute(path), hf_base=absolute(hf_base))  # type: ignore[arg-type]
     except ValidationError as exc:
         fail(human_errors(exc, SOURCE_FLAGS), 2)
+
+
+def absolute(path: str | None) -> str | None:
+    """A local path made absolute here, where the user typed it (the worker runs in another
+    directory); URLs and None unchanged. Symlinks are kept (the worker's root check resolves them)."""
+    if path is None or "://" in path or "\x00" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def check_source_roots(client: SyncPrefectClient, source: SnapshotSource, staging: str) -> None:
+    """Exit 2 when `source` lies outside the staging block's source roots (the flow would refuse it
+    unread), before anything is sent; the message says how to declare a root."""
+    from pinned_eval.source_roots import SourceOutsideRoots, check_within_roots
+
+    doc = client.read_block_document_by_name(staging, BLOCK_FLAGS["staging"], include_secrets=False)
+    roots = [str(doc.data.get("root")), *map(str, doc.data.get("source_roots") or [])]
+    for flag, path in (("--source", source.path), ("--hf-base", source.hf_base)):
+        if path is None:
+            continue
+        try:
+            check_within_roots(path, roots, flag)
+        except SourceOutsideRoots:
+            fail(f"{flag}: {path} is outside the source roots of staging block {staging!r} ({', '.join(roots)}); "
+                 "nothing was sent. Move the checkpoint under one of them, or declare its directory: "
+                 "`source_root:` in pinned-eval.yaml then `pinned-eval block apply pinned-eval.yaml`, or "
+                 f"`pinned-eval block save staging {staging} --root ROOT --source-root DIR --overwrite`", 2)
 
 
 def check_local_paths(source: SnapshotSource) -> None:
     """Exit 2 when a local path of `source` does not exist (URLs are the worker's to read)."""
     for flag, path in (("--source", source.path), ("--hf-base", source.hf_base)):
+        if path and "\x00" in path:
+            fail(f"{flag}: a path cannot contain a NUL byte; nothing was sent", 2)
         if path and "://" not in path and not os.path.exists(path):
             fail(f"{flag}: {path} does not exist; nothing was sent", 2)
 
@@ -179,7 +250,39 @@ def wait_terminal(client: SyncPrefectClient, flow_run_id: str, timeout_s: float)
         return poll_until(final, timeout_s=timeout_s, interval_s=1.0, what="")
     except PollTimeout:
         state = last.state.name if last is not None and last.state else "Pending"
-        fail(f"{last.name if last else flow_run_id} ({flow_run_id}) still {state} after {timeout_s:.0f}s")
+        hint = ""
+        if last is None or last.state is None or last.state.type.value in ("SCHEDULED", "PENDING"):
+            hint = "; " + no_worker_hint(client, getattr(last, "work_pool_name", None) or WORK_POOL)
+        fail(f"{last.name if last else flow_run_id} ({flow_run_id}) still {state} after {timeout_s:.0f}s{hint}")
+
+
+def no_worker_hint(client: SyncPrefectClient, pool: str) -> str:
+    """Why a point may not start: no worker polls its pool (say how to start one), or the workers are busy."""
+    try:
+        workers = client.read_workers_for_work_pool(pool)
+    except Exception:  # the pool itself is gone: same remedy
+        workers = []
+    if not any(str(getattr(w.status, "value", w.status)).upper() == "ONLINE" for w in workers):
+        return (f"no worker is polling the work pool {pool!r}: start one with `pinned-eval worker` "
+                "(in another terminal, in this project's directory)")
+    return f"a worker polls {pool!r}: it may be busy with other points (`pinned-eval status --run RUN`)"
+
+
+def untagged_runs(client: SyncPrefectClient, run: str, step: int) -> list[Any]:
+    """Flow runs of the point that ended before the flow tagged them (e.g. a refused source):
+    `step_runs` cannot see them; newest first, among the flow's latest 200 terminal runs."""
+    from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from pinned_eval.inflight import POINT_FLOW, is_point_of
+
+    runs = client.read_flow_runs(
+        flow_filter=FlowFilter.model_validate({"name": {"any_": [POINT_FLOW]}}),
+        flow_run_filter=FlowRunFilter.model_validate({"state": {"type": {"any_": list(TERMINAL)}}}),
+        sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200,
+    )  # fmt: skip
+    return [fr for fr in runs if is_point_of(fr.parameters, run) and fr.parameters.get("step") == step
+            and f"run:{run}" not in (fr.tags or [])]  # fmt: skip
 
 
 def print_final(fr: Any) -> int:
@@ -252,6 +355,8 @@ def request(
     name = flow_run_name(run, step)
     with prefect_client() as client:
         check_blocks(client, blocks)
+        if src is not None:
+            check_source_roots(client, src, staging)
         if force_new:
             params = {**req.model_dump(mode="json"), **blocks.model_dump()}
             fr = new_deployment_run(client, deployment, params, run, step)
@@ -268,6 +373,12 @@ def request(
                          "sent: `--force-new` requests a fresh point of the step with this source", 2)  # fmt: skip
                 typer.echo(f"{name} exists: {last.id} {last.state_name}; use `pinned-eval rerun` or --force-new")
                 flow_run_id = last.id
+            elif early := untagged_runs(client, run, step):
+                fr = early[0]
+                why = f"{fr.state.name}: {fr.state.message}" if fr.state and fr.state.message else "ended early"
+                fail(f"{name} was requested before ({fr.id}) and ended before it started ({why}); the same request "
+                     "again would be ignored as that point. Fix the cause, then `--force-new` requests a fresh "
+                     "point of the step", 2)  # fmt: skip
             else:
                 sent_at = datetime.now(UTC)
                 resp = client.request("POST", "/events", json=[point_event(req, blocks)])
@@ -333,8 +444,15 @@ def rerun(
     name = flow_run_name(run, step)
     with prefect_client() as client:
         runs = step_runs(client, run, step)
+        if not runs and (early := untagged_runs(client, run, step)):
+            fr = early[0]
+            src = source_text(fr.parameters.get("source"))
+            fail(f"{name} ({fr.id}) ended before it started ({fr.state.name if fr.state else 'no state'}: "
+                 f"{(fr.state.message if fr.state else None) or 'no message'}); it cannot be rerun. Fix the cause, "
+                 f"then request it again: `pinned-eval request --run {run} --step {step} --source {src} --force-new`")
         if not runs:
-            fail(f"no flow run of {name}; request it with `pinned-eval request`")
+            fail(f"no flow run of {name}; request it with `pinned-eval request --run {run} --step {step} "
+                 "--source KIND:PATH`")
         last = runs[-1]
         if last.state_type not in TERMINAL:
             fail(f"{name} is still {last.state_name} ({last.id}); wait for it or cancel it first")

@@ -8,17 +8,19 @@
   were, and `eval/rescored: 1`.
 
 Exit codes: 0 success; 1 nothing stored for the point (or no results store configured), or
-Prefect unreachable; 2 bad input (a suite without the stored datasets, a bad option value).
+Prefect unreachable; 2 bad input (a suite without the stored datasets, a `custom:` reward whose
+module cannot be imported here — it must be on PYTHONPATH or installed — or a bad option value).
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from app.commands.points import fail, prefect_client
+from app.commands._cli import STEP, fail, in_words
+from app.commands.points import prefect_client
 
 if TYPE_CHECKING:
     from app.history import RunHistory
@@ -39,8 +41,8 @@ def _store(sinks: SinksBlock) -> ResultsStore:
 
 def compare(
     run: RunArg,
-    step_a: Annotated[int, typer.Argument(min=0, help="Step A (the earlier point, usually).")],
-    step_b: Annotated[int, typer.Argument(min=0, help="Step B.")],
+    step_a: Annotated[int, typer.Argument(parser=STEP, help="Step A (the earlier point, usually).")],
+    step_b: Annotated[int, typer.Argument(parser=STEP, help="Step B.")],
     sinks: SinksOpt = "default",
     threshold: Annotated[
         float, typer.Option("--threshold", help="An example is correct when its mean reward is >= this.")
@@ -68,7 +70,7 @@ def compare(
 
 def rescore(
     run: RunArg,
-    step: Annotated[int, typer.Argument(min=0, help="Step of the point.")],
+    step: Annotated[int, typer.Argument(parser=STEP, help="Step of the point.")],
     suite: Annotated[str, typer.Option("--suite", help="Suite block whose rewards score the samples.")] = "default",
     sinks: SinksOpt = "default",
 ) -> None:
@@ -104,6 +106,7 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
         missing = sorted(stored - {ds.name for ds in datasets})
         fail(f"--suite: suite block {suite._block_document_name!r} has no dataset {', '.join(missing)} "
              f"(stored for {run} step {step})", 2)  # fmt: skip
+    check_custom_rewards(datasets)
     per_ds, _, rewards = score_generations(gens, datasets, suite.suite, step)
     write_samples(store, run, step, gens, rewards, table_key(table), rescored=True, link=False)
     if sinks.jsonl_path:
@@ -121,6 +124,23 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
         ]  # fmt: skip
         jsonl.write_point(rows)
     return per_ds
+
+
+CUSTOM_HINT = ("a custom reward's module must be importable by this command's Python and the worker's: "
+               "installed in the environment, or in a directory on PYTHONPATH when the command starts "
+               "(e.g. `PYTHONPATH=$PWD pinned-eval worker`; docs/blocks.md, Rewards)")
+
+
+def check_custom_rewards(datasets: list[Any]) -> None:
+    """Exit 2 naming the dataset when a `custom:` reward cannot be imported here (`CUSTOM_HINT`)."""
+    from pinned_eval.scoring.rewards import CUSTOM_PREFIX, get_reward
+
+    for ds in datasets:
+        if str(ds.reward).startswith(CUSTOM_PREFIX):
+            try:
+                get_reward(ds.reward)
+            except (ValueError, ImportError) as exc:
+                fail(f"--suite: dataset {ds.name!r}: {in_words(exc)}; {CUSTOM_HINT}", 2)
 
 
 def last_two_compared(history: RunHistory, sinks: str) -> str:

@@ -29,6 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
+from app.commands._cli import fail, in_words, refuse, short
 from pinned_eval.snapshot.check import SnapshotCheck, SnapshotProblem, check_snapshot
 from pinned_eval.snapshot.layout import MARKER, Manifest
 from pinned_eval.snapshot.staging import Staging
@@ -71,12 +72,21 @@ def check(
 ) -> None:
     """Exit 0 when the snapshot is complete; otherwise print the reason and exit 1."""
 
-    result = check_snapshot(path_or_url, _options(path_or_url, endpoint_url))
+    if "\0" in path_or_url:
+        refuse("PATH_OR_URL: a path cannot contain a NUL byte")
+    if "://" in path_or_url and not path_or_url.startswith(("s3://", "s3a://", "file://")):
+        refuse(f"PATH_OR_URL: {short(path_or_url)}: only a local directory or s3://bucket/prefix can be checked")
+    try:
+        result = check_snapshot(path_or_url, _options(path_or_url, endpoint_url))
+    except Exception as exc:  # storage errors (no credentials, no such bucket, a name too long): one line
+        hint = ""
+        if path_or_url.startswith(("s3://", "s3a://")):
+            hint = " (S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; --endpoint-url for MinIO)"
+        fail(f"{short(path_or_url)}: cannot check: {in_words(exc)}{hint}")
     if result.complete:
         typer.echo(f"{result.path}: {result.detail}")
         return
-    typer.echo(f"{result.path}: incomplete: {result.problem}: {result.detail}", err=True)
-    raise typer.Exit(code=1)
+    fail(f"{result.path}: incomplete: {result.problem}: {result.detail}")
 
 
 def mark_complete(directory: Path) -> tuple[SnapshotCheck, bool]:
@@ -104,14 +114,12 @@ def mark(
     (points refuse a snapshot without it as ckpt_missing)."""
     directory = Path(path)
     if "://" in path or not directory.is_dir():
-        typer.echo(f"error: DIRECTORY: {path} is not a local directory", err=True)
-        raise typer.Exit(2)
+        refuse(f"DIRECTORY: {path} is not a local directory")
     result, written = mark_complete(directory)
     if not result.complete:
         fix = (f"; if the files are final, remove {directory / MARKER} and mark again"
                if result.problem in (SnapshotProblem.STALE_MARKER, SnapshotProblem.BAD_MARKER) else "")
-        typer.echo(f"error: {result.path}: not marked: {result.problem}: {result.detail}{fix}", err=True)
-        raise typer.Exit(1)
+        fail(f"{result.path}: not marked: {result.problem}: {result.detail}{fix}")
     typer.echo(f"{result.path}: {'marked' if written else 'already marked'} {result.detail}")
 
 
@@ -148,21 +156,21 @@ def tiny_model(
 ) -> None:
     """Write a tiny HF causal LM + tokenizer, fully offline, marked complete (usable as an hf source)."""
     if arch not in ("llama", "qwen2", "qwen3"):
-        typer.echo(f"error: --arch must be llama, qwen2 or qwen3, got {arch!r}", err=True)
-        raise typer.Exit(code=2)
+        refuse(f"--arch must be llama, qwen2 or qwen3, got {arch!r}")
     try:
         claim_new_dir(str(out), "--out", earlier_output=_is_tiny_model_output)
     except UntrustedPathError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
+        refuse(str(exc))
     from engine.tiny_model import make_tiny_model  # torch/transformers: `--help` stays fast
 
     (out / MARKER).unlink(missing_ok=True)  # rewriting the files: an old marker would vouch for them
-    path = make_tiny_model(out, arch=arch, seed=seed, max_shard_size=max_shard_size)  # type: ignore[arg-type]
+    try:
+        path = make_tiny_model(out, arch=arch, seed=seed, max_shard_size=max_shard_size)  # type: ignore[arg-type]
+    except OSError as exc:  # an unwritable or special --out (/proc/self, a file): one line naming the flag
+        fail(f"--out: {in_words(exc)}")
     result, _ = mark_complete(path)
     if not result.complete:  # the engine wrote something the check refuses: a bug, said as such
-        typer.echo(f"error: {path}: written but not complete: {result.problem}: {result.detail}", err=True)
-        raise typer.Exit(code=1)
+        fail(f"{path}: written but not complete: {result.problem}: {result.detail}")
     typer.echo(str(path.resolve()))
 
 
@@ -203,8 +211,7 @@ def export(
         try:
             claim_new_dir(out.removeprefix("file://"), "--out", earlier_output=_is_export_output, create=False)
         except UntrustedPathError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(code=2) from None
+            refuse(str(exc))
     if megatron_ckpt is not None:
         if dtype is not None:
             raise typer.BadParameter("--dtype applies to --state-dict only (Megatron keeps the base dtype)")
@@ -213,8 +220,7 @@ def export(
                 export_megatron_checkpoint,  # torch: slow import; `pinned-eval --help` stays fast
             )
         except ImportError as e:
-            typer.echo(f"Megatron export is not available in this install: {e}", err=True)
-            raise typer.Exit(code=1) from None
+            fail(f"Megatron export is not available in this install: {e}")
         run = partial(export_megatron_checkpoint, megatron_ckpt, str(hf_base), out,
                       max_shard_bytes=shard_bytes, storage_options=opts)
     else:
@@ -233,6 +239,5 @@ def export(
     try:
         result = run()
     except (ValueError, KeyError, OSError) as e:  # plan/name mismatches, unreadable input, storage errors
-        typer.echo(f"export failed (partial output removed): {type(e).__name__}: {e}", err=True)
-        raise typer.Exit(code=1) from None
+        fail(f"export failed (partial output removed): {in_words(e)}")
     typer.echo(f"{result.path}: {result.shards} shards, {result.bytes} bytes in {result.seconds:.2f} s")

@@ -2,7 +2,8 @@
 
 State (PIDs, API URL) lives in `<home>/stack.json` (home: `PINNED_EVAL_HOME`, default
 `.pinned-eval`, mode 0700); the API credential the server requires in `<home>/api-auth` (mode
-0600; `server up` generates it and prints its path, never its value). Exit codes: 0 ok; 1 the
+0600; `server up` generates it and prints its path, never its value). `worker` first checks that the
+recorded server answers (else one line naming `pinned-eval server up`). Exit codes: 0 ok; 1 the
 operation failed.
 """
 
@@ -13,6 +14,7 @@ from typing import Annotated
 import typer
 
 from app.commands import blocks
+from app.commands._cli import fail
 from pinned_eval.settings import get_settings
 
 server_app = typer.Typer(help="A local Prefect server (SQLite, filesystem lease storage) on 127.0.0.1.",
@@ -53,8 +55,7 @@ def deploy() -> None:
     try:
         _stack().deploy()
     except RuntimeError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1) from None
+        fail(str(exc))
     typer.echo("deployed eval-point (trigger: pinned-eval.point.requested)")
     blocks.note_missing_blocks()
 
@@ -71,5 +72,12 @@ def worker(
     and exits 0. A flow run in flight gets SIGTERM first and is waited for: it ends Crashed and
     its snapshot is retired. If this command is SIGKILLed, the processes it started are killed with it
     (parent-death signal): nothing is left taking points."""
-    code = _stack().run_worker(query_seconds=query_seconds, pool=pool)
+    stack = _stack()
+    if not stack.state().api_url:
+        fail(f"no server recorded in {stack.home}: start it with `pinned-eval server up` (and `pinned-eval deploy`)")
+    from app.commands.points import prefect_client  # prefect: slow import; `pinned-eval --help` stays fast
+
+    with prefect_client():  # a server that is down: one line naming `server up`, never a traceback
+        pass
+    code = stack.run_worker(query_seconds=query_seconds, pool=pool)
     raise typer.Exit(code)

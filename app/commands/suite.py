@@ -3,8 +3,11 @@ means, optionally save it as an EvalSuite block (`--save NAME`).
 
 `--set NAME=VALUE` (repeatable) resolves `${NAME}` / `${oc.env:NAME}` ahead of the environment;
 `--strict-miles` refuses pinned-eval's extension keys; `--rm-type` is miles' `--rm-type`.
-Exit codes: 0 loaded (and saved); 2 the config is refused (message names the key) or a `--set`
-is malformed; 1 saving the block failed (Prefect unreachable).
+`--save` saves on the home's server, as every verb (`app.commands.points.prefect_client`): none
+recorded is exit 2 naming `pinned-eval server up`, never a throwaway server or Prefect's own database.
+Exit codes: 0 loaded (and saved); 2 the config is refused (message names the key), a `--set` is
+malformed, `--save` is not a block name or no server is configured; 1 saving the block failed
+(Prefect unreachable).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from app.commands._cli import refuse
 
 app = typer.Typer(help="Eval suites: load miles' eval config.", no_args_is_help=True)
 
@@ -42,13 +47,22 @@ def miles(
     from pinned_eval.suite import EvalSuite
 
     variables = _variables(set_ or [])
+    if save is not None:
+        from app.block_specs import SpecError, validate_name
+
+        try:
+            validate_name(save)
+        except SpecError as exc:
+            refuse(f"--save: {exc.message}")
     try:
         suite = EvalSuite.from_miles_yaml(path, variables=variables, strict_miles=strict_miles, rm_type=rm_type)
     except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        refuse(str(exc))
     typer.echo(json.dumps([ds.model_dump(mode="json") for ds in suite.resolved()], indent=2))
     if save:
+        from app.commands.points import prefect_client  # prefect: slow import; `--help` stays fast
         from blocks import EvalSuiteBlock  # prefect: slow import; `pinned-eval --help` stays fast
 
-        EvalSuiteBlock(suite=suite).save(save, overwrite=True)  # a failure propagates: exit 1
+        with prefect_client():  # the home's server, as every verb: never a throwaway one
+            EvalSuiteBlock(suite=suite).save(save, overwrite=True)
+        typer.echo(f"saved suite block {save!r}", err=True)

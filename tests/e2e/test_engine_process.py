@@ -177,3 +177,13 @@ def test_tiny_model_cli_writes_a_loadable_snapshot(tmp_path: Path) -> None:
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
     assert '"torch_dtype"' in (out / "config.json").read_text()
+
+
+def test_a_response_longer_than_the_context_is_refused_naming_the_suite_flag(http: httpx.Client) -> None:
+    context = http.get("/server_info").json()["context_length"]
+    assert context == 1024  # the tiny model's, and the suite's default max_new_tokens
+    body = {"input_ids": [1, 7, 8], "sampling_params": {"max_new_tokens": context}}
+    refused = http.post("/generate", json=body)
+    assert refused.status_code == 400, refused.text
+    assert f"requested 3 + {context} tokens, more than the context length ({context}); lower the suite's " \
+           "max_new_tokens (`pinned-eval block save suite --max-new-tokens N`" in refused.text  # fmt: skip

@@ -1,7 +1,9 @@
 """A new user's first hour, through the real CLI (`python -m app.cli` subprocesses, a fresh
 `PINNED_EVAL_HOME`): `init` → own JSONL dataset + miles-style YAML → blocks saved by
-`block apply` → `tiny-model` (marked complete) → a point requested and measured on the session's
-CPU fleet (attached by URL with key files) by the deployed worker. Plus the block verbs against
+`block apply` (samples kept: `results_root`) and `suite miles --save` → `tiny-model` (marked
+complete) → a source outside the staging roots refused before sending → a point requested with a
+relative `--source` and measured on the session's CPU fleet (attached by URL with key files) by the
+deployed worker → `status` → `compare` → `rescore`. Plus the block verbs against
 the real server: save, overwrite refusal, show (secrets masked), list, and the missing-block note.
 """
 
@@ -67,25 +69,69 @@ def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
         f"fleet:\n  attach:{attach}\n  router: {cpu_fleet.router_url}\n  api_key_file: engine-api-key\n"
         "  admin_api_key_file: engine-admin-key\n"
         "staging:\n  root: staging\n  source_root: [ckpt]\n  keep: 1\n"
-        "sinks:\n  jsonl: metrics.jsonl\n"
+        "sinks:\n  jsonl: metrics.jsonl\n  results_root: results\n"
     )
     done = pe("block", "apply", "pinned-eval.yaml", "--name", name, env=env, cwd=proj)
     assert (done.returncode, done.stdout) == (0, "".join(f"saved {k} block {name!r}\n"
                                                          for k in ("suite", "fleet", "staging", "sinks"))), done.stderr
+    # the miles YAML saved as its own suite block, on the home's server (never a throwaway one)
+    done = pe("suite", "miles", "eval.yaml", "--save", f"{name}-miles", env=env, cwd=proj)
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (0, f"saved suite block '{name}-miles'"), done.stderr
+    assert [ds.name for ds in EvalSuiteBlock.load(f"{name}-miles").resolved()] == ["Mine.v1"]
     done = pe("tiny-model", "--out", "ckpt/tiny", env=env, cwd=proj)
     assert (done.returncode, done.stdout) == (0, f"{proj / 'ckpt' / 'tiny'}\n"), done.stderr
+    # a source outside the staging block's roots: refused before anything is sent, in words
+    (proj / "elsewhere").mkdir()
+    done = pe("request", "--run", run, "--step", "0", "--source", "hf:elsewhere", f"--staging={name}",
+              f"--suite={name}-miles", f"--fleet={name}", f"--sinks={name}", env=env, cwd=proj)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.startswith(f"error: --source: {proj / 'elsewhere'} is outside the "
+                                                           f"source roots of staging block {name!r}"), done.stderr
+    assert "nothing was sent" in done.stderr and "SourceOutsideRoots" not in done.stderr
+    # the same point sent by an older client: it fails before the flow tags it; `rerun` and a plain
+    # `request` of that step find it and name the command that works (no wait on a useless hint)
+    from prefect import get_client
 
-    done = pe("request", "--run", run, "--step", "0", "--source", f"hf:{proj / 'ckpt' / 'tiny'}",
-              *(f"--{k}={name}" for k in ("suite", "fleet", "staging", "sinks")), "--wait", "--timeout", "240",
+    from pinned_eval.polling import poll_until
+
+    with get_client(sync_client=True) as client:
+        early = client.create_flow_run_from_deployment(deployed.deployment_id, parameters={
+            "run": run, "step": 7, "source": {"kind": "hf", "path": str(proj / "elsewhere")}, "suite": f"{name}-miles",
+            **{k: name for k in ("fleet", "staging", "sinks")}})  # fmt: skip
+        poll_until(lambda: ((fr := client.read_flow_run(early.id)).state and fr.state.is_final()) or None,
+                   timeout_s=240, interval_s=0.5, what="the early failure")  # fmt: skip
+    done = pe("rerun", "--run", run, "--step", "7", env=env, cwd=proj)
+    assert done.returncode == 1 and done.stderr.startswith(f"error: {run}/step-7 ({early.id}) ended before it "
+                                                           "started"), done.stderr
+    assert done.stderr.rstrip().endswith(f"request it again: `pinned-eval request --run {run} --step 7 --source "
+                                         f"hf:{proj / 'elsewhere'} --force-new`"), done.stderr
+    done = pe("request", "--run", run, "--step", "7", "--source", "hf:ckpt/tiny", f"--suite={name}-miles",
+              *(f"--{k}={name}" for k in ("fleet", "staging", "sinks")), env=env, cwd=proj)  # fmt: skip
+    assert done.returncode == 2 and f"was requested before ({early.id}) and ended before it started" in done.stderr
+    assert "`--force-new` requests a fresh point of the step" in done.stderr, done.stderr
+
+    # a relative source: made absolute here, where the user typed it (the worker runs elsewhere)
+    done = pe("request", "--run", run, "--step", "0", "--source", "hf:ckpt/tiny", f"--suite={name}-miles",
+              *(f"--{k}={name}" for k in ("fleet", "staging", "sinks")), "--wait", "--timeout", "240",
               env=env, cwd=proj, timeout=400)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert ": Completed (completed)" in done.stdout.splitlines()[-1], done.stdout
     done = pe("status", "--run", run, "--json", env=env, cwd=proj)
-    [point] = json.loads(done.stdout)["points"]
+    point, early_point = sorted(json.loads(done.stdout)["points"], key=lambda p: p["step"])
     assert (point["outcome"], point["reason"], sorted(point["scores"])) == ("measured", None, ["Mine.v1"])
-    [row] = JsonlSink(proj / "metrics.jsonl").read(run)
+    # the early failure is on record at its step (the JSONL row), with no flow run status could tag
+    assert [early_point[k] for k in ("step", "outcome", "reason", "flow_run_id")] == [7, "failed", "crashed", None]
+    [row] = [r for r in JsonlSink(proj / "metrics.jsonl").read(run) if r.step == 0]
     assert (row.step, row.state, row.dataset, row.weight_version) == (0, "measured", "Mine.v1", "0")
     assert row.metrics["eval/Mine.v1-none_reward_ratio"] == 0.0  # every row of the user's file was scored
+    measured = row.metrics["eval/Mine.v1"]
+    # the kept samples: compare (nothing flips against itself) and rescore (same rewards, same score)
+    done = pe("compare", run, "0", "0", f"--sinks={name}", "--json", env=env, cwd=proj)
+    flips = [{"dataset": "Mine.v1", "examples": 6, "lost": [], "gained": [], "unmatched": 0}]
+    assert (done.returncode, json.loads(done.stdout), done.stderr) == (0, flips, ""), done.stderr
+    done = pe("rescore", run, "0", f"--suite={name}-miles", f"--sinks={name}", env=env, cwd=proj)
+    assert (done.returncode, done.stdout) == (0, f"Mine.v1: eval/Mine.v1={measured:.4f} (rescored)\n"), done.stderr
+    [row] = [r for r in JsonlSink(proj / "metrics.jsonl").read(run) if r.step == 0]
+    assert (row.metrics["eval/rescored"], row.metrics["eval/Mine.v1"]) == (1.0, measured)
 
 
 def cli(*args: str) -> tuple[int, str]:
@@ -143,3 +189,20 @@ def test_block_verbs_save_show_list_and_name_missing_blocks(
                                       "save sinks nope-nope --jsonl FILE`")  # fmt: skip
     code, out = cli("block", "show", "stagin", name)
     assert (code, out.strip()) == (2, "error: KIND: 'stagin' is not one of suite, fleet, staging, sinks, backend")
+
+
+def test_results_root_is_a_flag_and_a_key_and_a_later_apply_names_what_it_resets(
+    prefect_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    name = f"r-{uuid.uuid4().hex[:6]}"
+    assert cli("block", "save", "sinks", name, "--jsonl", "m.jsonl", "--results-root", "res") == (
+        0, f"saved sinks block {name!r}\n")
+    assert SinksBlock.load(name).results_root == str(tmp_path / "res")
+    (tmp_path / "p.yaml").write_text("sinks:\n  jsonl: m.jsonl\n  results_root: kept\n")
+    assert cli("block", "apply", "p.yaml", "--name", name) == (0, f"replaced sinks block {name!r}\n")
+    assert SinksBlock.load(name).results_root == str(tmp_path / "kept")
+    (tmp_path / "p.yaml").write_text("sinks:\n  jsonl: m.jsonl\n")  # the key removed: said, not silent
+    assert cli("block", "apply", "p.yaml", "--name", name) == (
+        0, f"replaced sinks block {name!r}; reset to default: results_root (was \"{tmp_path / 'kept'}\")\n")
+    assert SinksBlock.load(name).results_root is None
