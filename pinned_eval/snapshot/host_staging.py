@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
 from pinned_eval.snapshot.errors import ExportError
 
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: a trainer module importing the
+    import torch  # client (the producer, the gate) stays torch-free until it stages a snapshot
+
 _ALIGN = 64
-Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
+Layout = list[tuple[str, tuple[int, ...], "torch.dtype"]]
 
 
 class StagingBusyError(ExportError, RuntimeError):
@@ -57,6 +59,8 @@ class TwoPhaseExport(Protocol):
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    import torch
+
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
@@ -69,7 +73,7 @@ class HostStaging:
         copy: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
         synchronize: Callable[[], object] | None = None,
     ) -> None:
-        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self._pinned = pinned
         self._alloc = alloc or self._default_alloc
         self._copy = copy or self._default_copy
         self._sync = synchronize or self._default_sync
@@ -78,6 +82,15 @@ class HostStaging:
         self._lease = threading.Lock()
         self._idle = threading.Condition()
         self._held = False
+
+    @property
+    def pinned(self) -> bool:
+        """Page-locked buffers: as constructed, else whether CUDA is available (asked on first use)."""
+        if self._pinned is None:
+            import torch
+
+            self._pinned = torch.cuda.is_available()
+        return self._pinned
 
     # ---- the lease ---------------------------------------------------------------------------
 
@@ -173,9 +186,13 @@ class HostStaging:
     # ---- defaults: pinned + non_blocking with CUDA, plain copies without ----------------------
 
     def _default_alloc(self, nbytes: int) -> torch.Tensor:
+        import torch
+
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def _default_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        import torch
+
         if src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous() and src.numel():
             # host to host, same dtype: a plain memcpy (torch's CPU copy_ measured 5-20x slower
             # than numpy's on a loaded 2-core machine, bench/export_stall.py)
@@ -184,5 +201,7 @@ class HostStaging:
             dst.copy_(src, non_blocking=self.pinned)
 
     def _default_sync(self) -> None:
+        import torch
+
         if self.pinned and torch.cuda.is_available():
             torch.cuda.synchronize()
