@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pinned_eval.points import BLOCK_NAME_RE
+
 if TYPE_CHECKING:
     from prefect.blocks.core import Block
 
 KINDS = ("suite", "fleet", "staging", "sinks")
-BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # Prefect's block names, and a fleet's lock name
+BLOCK_NAME = BLOCK_NAME_RE  # Prefect's block names, and a fleet's lock name (pinned_eval.points)
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 

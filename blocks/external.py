@@ -16,6 +16,7 @@ from prefect.types import SecretDict
 from pydantic import Field, model_validator
 
 from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.plugins import ImportPath
 
 
 class ExternalBackendBlock(Block):
@@ -33,8 +34,7 @@ class ExternalBackendBlock(Block):
     print(backend.backend)
     """
 
-    backend: str = Field(
-        pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)$",
+    backend: ImportPath = Field(
         description="The CheckpointEvalFn subclass as `module:Class`, e.g. "
         "`trainer_integration.sglang_backend:SGLangCheckpointEval`.",
     )

@@ -19,6 +19,7 @@ from blocks._meta import DOCS_URL, LOGO_URL
 from pinned_eval.fleet.client import FleetClient, FleetConfig
 from pinned_eval.fleet.launcher import LaunchedFleet, launch_cpu_fleet, launch_sglang_fleet
 from pinned_eval.fleet.sglang_args import SGLangFleetSpec
+from pinned_eval.points import BLOCK_NAME_PATTERN
 
 
 class FleetBlock(Block):
@@ -38,7 +39,7 @@ class FleetBlock(Block):
 
     name: str = Field(
         default="default",
-        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        pattern=BLOCK_NAME_PATTERN,
         description="Fleet name; the pin lock is the global concurrency limit `fleet-<name>`.",
     )
     mode: Literal["attach", "launch"] = Field(

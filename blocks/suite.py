@@ -15,8 +15,9 @@ from prefect.blocks.core import Block
 from pydantic import Field
 
 from blocks._meta import DOCS_URL, LOGO_URL
+from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.scoring.regression import RegressionRule
-from pinned_eval.suite import EvalSuite, ResolvedDataset
+from pinned_eval.suite import EvalSuite
 
 
 class EvalSuiteBlock(Block):

@@ -33,6 +33,8 @@ from pydantic import BaseModel, ConfigDict
 from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
 from blocks._meta import load_block
 from flows.alerts import emit_failed, emit_measured, emit_skipped
+from pinned_eval.datasets.loader import EvalSample
+from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.points import PointRequest, Posture, SnapshotSource, flow_run_name
 from pinned_eval.results.cache import generation_key, snapshot_digest
 from pinned_eval.scoring.metrics import point_metrics
@@ -40,7 +42,7 @@ from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.source_roots import confine_source
-from pinned_eval.suite import NO_DATASET_DUE, EvalSample, ResolvedDataset
+from pinned_eval.suite import NO_DATASET_DUE
 from tasks.admission import admitted, pin_lock
 from tasks.external import backend_lock_name, evaluate_external
 from tasks.generate import generate, load_datasets

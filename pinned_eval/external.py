@@ -26,17 +26,17 @@ back by the miles adapter. This module imports no Prefect.
 from __future__ import annotations
 
 import abc
-import importlib
 import inspect
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from pinned_eval.points import RunName, history_artifact_key
+from pinned_eval.datasets.spec import ResolvedDataset
+from pinned_eval.plugins import load_object
+from pinned_eval.points import RunName, history_artifact_key, weight_version
 from pinned_eval.scoring.metrics import ScoredSample, dataset_metrics
 from pinned_eval.skips import EvalSkipped
-from pinned_eval.suite import EvalSuite, ResolvedDataset
+from pinned_eval.suite import EvalSuite
 
 __all__ = [
     "CheckpointEvalFn",
@@ -52,8 +52,6 @@ __all__ = [
     "sample_rows",
     "samples_artifact_key",
 ]
-
-_BACKEND_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)$")
 
 
 class EvalSkip(EvalSkipped):
@@ -90,7 +88,7 @@ class EvalInput(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def weight_version(self) -> str:
-        return str(self.step)
+        return weight_version(self.step)
 
     @property
     def datasets(self) -> list[ResolvedDataset]:
@@ -158,16 +156,11 @@ class CheckpointEvalFn(abc.ABC):
 
 
 def load_backend(path: str) -> type[CheckpointEvalFn]:
-    """Import a backend class from `module:Class` or `module.Class`."""
-    if not _BACKEND_PATH.match(path):
-        raise ValueError(f"backend: {path!r} is not 'module:Class' or 'module.Class'")
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-    obj = getattr(importlib.import_module(module_name), attr, None)
-    if obj is None:
-        raise ValueError(f"backend: module {module_name!r} has no attribute {attr!r}")
-    if not (inspect.isclass(obj) and issubclass(obj, CheckpointEvalFn)):
-        raise TypeError(f"backend: {path!r} is not a CheckpointEvalFn subclass")
-    return obj
+    """Import a backend class from `module:Class` or `module.Class` (`pinned_eval.plugins`: a
+    malformed path, a module that does not import or a missing class is a `PluginError`, an
+    object that is no `CheckpointEvalFn` subclass a `PluginTypeError`, a `TypeError`)."""
+    cls: type[CheckpointEvalFn] = load_object(path, expect=CheckpointEvalFn, what="backend")
+    return cls
 
 
 async def run_backend(fn: CheckpointEvalFn, checkpoint_dir: str, input: EvalInput) -> EvalResults:

@@ -24,7 +24,11 @@ RUN_RULE = (
     f"a run name is 1 to {RUN_NAME_MAX} letters, digits, '.', '_' or '-', starting with a letter or a "
     "digit, without '..' (e.g. `Exp42`, `qwen3-8b-v1.2`)"
 )
-BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,99}$"  # a saved block document's name, as Prefect allows
+# A saved block document's name (Prefect: lowercase letters, digits, dashes; no length bound) as
+# pinned-eval accepts it everywhere: the CLI creating a block, a fleet's lock name, a request naming
+# a block. The one pattern, the widest the project ever accepted, so every saved document stays nameable.
+BLOCK_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,99}$"
+BLOCK_NAME_RE = re.compile(BLOCK_NAME_PATTERN.removesuffix("$") + r"\Z")  # Python checks (`$` allows a final \n)
 EVENT_REQUESTED = "pinned-eval.point.requested"
 _EVENT_NAMESPACE = uuid.UUID("6f1c1f4e-6a43-4a8e-9d0e-7d8f3c1b2a90")
 
@@ -154,7 +158,7 @@ class PointRequest(BaseModel):
 
     @property
     def weight_version(self) -> str:
-        return str(self.step)
+        return weight_version(self.step)
 
     @property
     def event_id(self) -> uuid.UUID:
@@ -162,6 +166,7 @@ class PointRequest(BaseModel):
 
 
 def weight_version(step: int) -> str:
+    """The weight version of `step`'s weights: what every pin loads and every reply must carry."""
     return str(step)
 
 

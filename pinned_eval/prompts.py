@@ -22,12 +22,10 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pinned_eval.scoring.loader import EvalSample
-
-if TYPE_CHECKING:
-    from pinned_eval.suite import ResolvedDataset
+from pinned_eval.datasets.loader import EvalSample
+from pinned_eval.datasets.spec import ResolvedDataset
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "chat_template.jinja", "chat_template.json")
 

@@ -5,12 +5,14 @@ Contract:
   dataset value > suite `defaults` > suite `fallbacks` (the analogue of miles' `--eval-*` /
   `--rollout-*` args). `EvalSuite.resolved()` returns `ResolvedDataset`s with every field concrete.
 - Dataset paths: absolute, relative (resolved against `EvalSuite.base_dir`, else the working
-  directory), or `builtin:<file>` (a file shipped in `pinned_eval/datasets/`).
+  directory), or `builtin:<file>` (a file shipped in `pinned_eval/datasets/builtin/`).
 - `EvalSuite.from_miles_yaml` accepts miles' eval YAML (`eval: {defaults, datasets, delegate}`;
   datasets a list or a name → mapping) and maps miles key names (`pinned_eval.miles_config`);
   keys pinned-eval does not implement are rejected by key path rather than silently ignored.
 - Prompts are rendered for the engine by `pinned_eval.prompts` (chat template, system prompt).
-- Dataset rows are loaded by `pinned_eval.scoring.loader.load_dataset` (re-exported here).
+- Datasets are their own package: `pinned_eval.datasets.spec.ResolvedDataset` (what tasks consume)
+  and `pinned_eval.datasets.loader.load_dataset` (rows). They are re-exported here for one release
+  (outside code may import them from the suite); new code imports them from `pinned_eval.datasets`.
 - Cadence (prime-rl's per-environment `interval` and `num_examples`): a dataset with
   `every_n_steps: N` is due at the steps that are multiples of N, one without it at every point;
   the final point runs every dataset (`EvalSuite.due_at`). `num_examples` is accepted as another
@@ -23,15 +25,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pinned_eval.datasets.loader import DatasetError, EvalSample, load_dataset
+from pinned_eval.datasets.spec import (
+    BUILTIN_DIR,
+    BUILTIN_PREFIX,
+    DATASET_NAME_PATTERN,
+    ResolvedDataset,
+    RewardName,
+)
 from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
-from pinned_eval.scoring.loader import DatasetError, EvalSample, load_dataset
 from pinned_eval.scoring.remote import RemoteRewardConfig
 from pinned_eval.scoring.rewards import REMOTE_REWARD, check_reward_name
 
+# DatasetError, EvalSample, ResolvedDataset and load_dataset live in pinned_eval.datasets; they stay
+# importable from here for one release (re-exports) because code outside this repository may import them.
 __all__ = [
     "DatasetError",
     "DatasetSpec",
@@ -45,12 +56,7 @@ __all__ = [
     "load_dataset",
 ]
 
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_DIR = Path(__file__).parent / "datasets"
 NO_DATASET_DUE = "no_dataset_due"  # the skip reason of a point at which no dataset is due
-DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
-
-RewardName = Annotated[str, AfterValidator(check_reward_name)]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -160,41 +166,6 @@ class SamplingFallbacks(BaseModel):
         default=None, description="Row key of a metadata object; None: every other column is metadata."
     )
     metadata_overrides: dict[str, Any] = Field(default_factory=dict, description="Keys set on every row's metadata.")
-
-
-class ResolvedDataset(BaseModel):
-    """A dataset with every field concrete and its path absolute; what tasks consume."""
-
-    model_config = _FROZEN
-
-    name: str = Field(description="Slug used in metric keys.")
-    path: Path = Field(description="Absolute path of the JSONL or Parquet file.")
-    input_key: str = Field(description="Row key of the prompt.")
-    label_key: str = Field(description="Row key of the label.")
-    n_samples_per_prompt: int = Field(ge=1, description="Responses per prompt.")
-    temperature: float = Field(ge=0, description="Sampling temperature.")
-    top_p: float = Field(gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(ge=-1, description="Top-k; -1 disables.")
-    max_new_tokens: int = Field(ge=1, description="Max generated tokens.")
-    stop: tuple[str, ...] = Field(description="Stop strings.")
-    reward: RewardName = Field(description="Reward function name (see pinned_eval.scoring.rewards).")
-    max_prompts: int | None = Field(description="Prompt cap; None uses all prompts.")
-    apply_chat_template: bool = Field(description="Render prompts with the chat template.")
-    apply_chat_template_kwargs: dict[str, Any] = Field(description="Chat template keywords.")
-    system_prompt: str | None = Field(description="System message of templated prompts.")
-    metadata_key: str | None = Field(description="Row key of a metadata object, or None (other columns).")
-    metadata_overrides: dict[str, Any] = Field(description="Keys set on every row's metadata.")
-    every_n_steps: int | None = Field(default=None, ge=1, description="Cadence; None: every point.")
-
-    def sampling_params(self) -> dict[str, Any]:
-        """SGLang native `/generate` sampling_params for this dataset."""
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_new_tokens,
-            "stop": list(self.stop),
-        }
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)

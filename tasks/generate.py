@@ -1,11 +1,14 @@
 """Generate task: every dataset of the suite, concurrently, through the pinned fleet's router.
 
+A Prefect shell around `pinned_eval.rollout`: it builds the point's `PointSession` on the fleet's
+router client and runs `run_rollouts` (each dataset's rollout kind; today `single_turn`).
 Contract: prompts are rendered by `pinned_eval.prompts.PromptRenderer` with the tokenizer of the
 pinned checkpoint (`tokenizer_dir`), all before the first request (a bad template or message-list
 prompt fails the point with a `PromptError` naming the dataset, before any generation). One
-request per (prompt, sample) with a deterministic `sampling_seed` and `rid`; the
-fleet client bounds requests in flight (the fleet's request concurrency), retries `abort`
-finishes and refuses any response whose `weight_version` is not the pinned one. Failures map to
+request per (prompt, sample) with a deterministic `sampling_seed` and `rid`
+(`<rid_prefix>-<dataset>-<prompt>-<j>`); the fleet client bounds requests in flight (the
+fleet's request concurrency), retries `abort` finishes and refuses any response whose
+`weight_version` is not the pinned one. Failures map to
 skips: a response from other weights → `pin_violation`; a fleet that stops serving (transport
 errors, 5xx, persistent aborts) → `unhealthy`; a request the engine rejects as malformed (4xx)
 is a bug and propagates (the point crashes). Progress is a Prefect progress artifact, best
@@ -16,37 +19,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ConfigDict
 
 from blocks.fleet import FleetBlock
-from pinned_eval.fleet.client import FleetClient
-from pinned_eval.prompts import PromptRenderer, RenderedPrompt
+from pinned_eval.datasets.loader import EvalSample, load_dataset
+from pinned_eval.datasets.spec import ResolvedDataset
+from pinned_eval.rollout import PointSession, Sample, run_rollouts
 from pinned_eval.skip_mapping import fleet_skips
-from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
 
-
-class Generation(BaseModel):
-    """One sample of one prompt, as the engine returned it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    dataset: str
-    prompt_index: int
-    sample_index: int
-    prompt: str
-    label: str | int | float  # the row's label with its JSON type (miles' rewards see it typed)
-    metadata: dict[str, Any]
-    response: str
-    response_len: int
-    finish_reason: str | None
-    weight_version: str | None
-    prompt_tokens: int | None = None
+Generation = Sample  # moved to pinned_eval.rollout.types.Sample; this name stays for one release
 
 
 class _Progress:
@@ -77,46 +63,6 @@ class _Progress:
             self._best_effort(lambda: update_progress_artifact(artifact_id, pct))
 
 
-def _sampling(ds: ResolvedDataset, seed: int) -> dict[str, Any]:
-    params = ds.sampling_params()
-    params["sampling_seed"] = seed
-    if not params.get("stop"):
-        params.pop("stop", None)
-    return params
-
-
-async def _one(
-    client: FleetClient,
-    ds: ResolvedDataset,
-    sample: EvalSample,
-    prompt: RenderedPrompt,
-    j: int,
-    rid: str,
-    version: str,
-    lora: str | None,
-) -> Generation:
-    result = await client.generate(
-        **prompt.request(),
-        sampling_params=_sampling(ds, seed=sample.index * 1000 + j),
-        rid=rid,
-        expected_version=version,
-        lora_path=lora,
-    )
-    return Generation(
-        dataset=ds.name,
-        prompt_index=sample.index,
-        sample_index=j,
-        prompt=prompt.text,
-        label=sample.label,
-        metadata=sample.metadata,
-        response=result.text,
-        response_len=result.meta_info.completion_tokens,
-        prompt_tokens=result.meta_info.prompt_tokens,
-        finish_reason=result.finish_type,
-        weight_version=result.meta_info.weight_version,
-    )
-
-
 async def _generate_all(
     fleet: FleetBlock,
     datasets: list[ResolvedDataset],
@@ -125,20 +71,19 @@ async def _generate_all(
     rid_prefix: str,
     tokenizer_dir: str | None,
     lora: str | None,
-) -> list[Generation]:
-    renderer = PromptRenderer(tokenizer_dir)
-    prompts = {(ds.name, s.index): renderer.render(ds, s) for ds in datasets for s in rows[ds.name]}
-    work = [(ds, s, j) for ds in datasets for s in rows[ds.name] for j in range(ds.n_samples_per_prompt)]
-    progress = _Progress(len(work), rid_prefix)
+) -> list[Sample]:
+    progress: list[_Progress] = []  # created once every prompt has rendered (nothing shown for a bad one)
     async with fleet.client() as client:
-
-        async def run(ds: ResolvedDataset, s: EvalSample, j: int) -> Generation:
-            rid = f"{rid_prefix}-{ds.name}-{s.index}-{j}"
-            out = await _one(client, ds, s, prompts[ds.name, s.index], j, rid, version, lora)
-            progress.tick()
-            return out
-
-        return list(await asyncio.gather(*(run(ds, s, j) for ds, s, j in work)))
+        session = PointSession(
+            client.generator, expected_version=version, rid_prefix=rid_prefix, lora=lora, tokenizer_dir=tokenizer_dir
+        )
+        return await run_rollouts(
+            session,
+            datasets,
+            rows,
+            on_start=lambda total: progress.append(_Progress(total, rid_prefix)),
+            on_sample=lambda _: progress[0].tick(),
+        )
 
 
 @task(cache_policy=NO_CACHE, task_run_name="load-datasets")
@@ -156,7 +101,7 @@ def generate(
     rid_prefix: str,
     tokenizer_dir: str | None = None,
     lora_path: str | None = None,
-) -> list[Generation]:
+) -> list[Sample]:
     """`tokenizer_dir`: the pinned checkpoint (fleet posture) or the engines' model (shared);
     only read when a dataset applies the chat template. `lora_path`: the adapter every request
     names (adapter mode: the weight version)."""

@@ -11,10 +11,13 @@ come from `PINNED_EVAL_EXTERNAL_*` variables, like miles' `MILES_EXTERNAL_EVAL_*
   `EvalSkip("unhealthy")`; a launched one that exits → `LaunchError`, a crash), then pin with the
   fleet client's one pin-and-read-back (`FleetClient.pin`): load `update_weights_from_disk` with
   `weight_version`, read back `/model_info`; accept only `weight_version == str(step)` and
-  `model_path == checkpoint_dir`; 2 attempts, then `EvalSkip("pin_violation")`. Then render every
-  prompt (`pinned_eval.prompts`, chat template from the checkpoint's tokenizer), generate every
-  dataset (n samples per prompt, deterministic `sampling_seed`, abort finishes retried) and score
-  with the suite's rewards. Errors map to skips as `pinned_eval.skip_mapping` says: a response
+  `model_path == checkpoint_dir`; 2 attempts, then `EvalSkip("pin_violation")`. Then generate
+  every dataset through the same rollout path as the flow's generate task
+  (`pinned_eval.rollout.run_rollouts` on a `PointSession` over this server: every prompt rendered
+  first, chat template from the checkpoint's tokenizer; n samples per prompt, deterministic
+  `sampling_seed`, abort finishes retried, rids `<run>-<step>-ext-<dataset>-<prompt>-<j>`) and
+  score with the suite's rewards as the flow's score task does (a miles `async (args, sample)`
+  reward gets `EvalSuite.miles_args(ds)`). Errors map to skips as `pinned_eval.skip_mapping` says: a response
   from other weights → `pin_violation`; a server that stops serving → `unhealthy`; a remote
   reward service that gives no reward → `reward_unavailable`.
 - Keys: a launched server always has an API key and an admin key (the configured ones, else
@@ -39,6 +42,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pinned_eval.datasets.loader import load_dataset
+from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.external import (
     CheckpointEvalFn,
     DatasetResult,
@@ -47,7 +52,7 @@ from pinned_eval.external import (
     EvalSkip,
 )
 from pinned_eval.fleet.client import FleetClient, FleetConfig
-from pinned_eval.fleet.generate import GenerateResult, RouterGenerator, build_generate_body
+from pinned_eval.fleet.generate import RouterGenerator
 from pinned_eval.fleet.keys import (
     FleetKeys,
     private_dir,
@@ -70,13 +75,12 @@ from pinned_eval.processes import (
     start_process,
     stop_process,
 )
-from pinned_eval.prompts import PromptRenderer
+from pinned_eval.rollout import PointSession, Sample, run_rollouts
 from pinned_eval.scoring.metrics import LENGTH_FINISH_REASON, ScoredSample
 from pinned_eval.scoring.remote import RewardItem, score_responses
 from pinned_eval.settings import Settings
 from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.skips import SkipReason
-from pinned_eval.suite import EvalSample, ResolvedDataset, load_dataset
 
 ENV_PREFIX = "PINNED_EVAL_EXTERNAL_"
 
@@ -291,42 +295,35 @@ class SGLangCheckpointEval(CheckpointEvalFn):
             abort_retries=self.config.abort_retries,
         )
         version = input.weight_version
-        with fleet_skips(f"{self.url} pinned to {version}", as_type=EvalSkip):
-            renderer = PromptRenderer(checkpoint_dir)
-            results = await asyncio.gather(*(self._dataset(gen, ds, input, renderer) for ds in input.datasets))
+        session = PointSession(
+            gen, expected_version=version, rid_prefix=f"{input.run}-{input.step}-ext", tokenizer_dir=checkpoint_dir
+        )
+        rows = {ds.name: load_dataset(ds) for ds in input.datasets}
+        try:
+            with fleet_skips(f"{self.url} pinned to {version}", as_type=EvalSkip):
+                samples = await run_rollouts(session, input.datasets, rows)
+                results = await asyncio.gather(*(self._score(ds, samples, input) for ds in input.datasets))
+        finally:
+            self.history.generated += session.counters.completed
         return {ds.name: res for ds, res in zip(input.datasets, results, strict=True)}
 
-    async def _dataset(
-        self, gen: RouterGenerator, ds: ResolvedDataset, input: EvalInput, renderer: PromptRenderer
-    ) -> DatasetResult:
-        rows = load_dataset(ds)
-        prompts = {s.index: renderer.render(ds, s) for s in rows}  # every row renders before any request
-        prefix = f"{input.run}-{input.step}-ext-{ds.name}"
-
-        async def one(sample: EvalSample, j: int) -> tuple[EvalSample, int, GenerateResult]:
-            params = ds.sampling_params() | {"sampling_seed": sample.index * 1000 + j}
-            if not params.get("stop"):
-                params.pop("stop")
-            body = build_generate_body(
-                **prompts[sample.index].request(), sampling_params=params, rid=f"{prefix}-{sample.index}-{j}"
-            )
-            result = await gen.generate(body, input.weight_version)
-            self.history.generated += 1
-            return sample, j, result
-
-        done = await asyncio.gather(*(one(s, j) for s in rows for j in range(ds.n_samples_per_prompt)))
-        items = [RewardItem(prompts[s.index].text, r.text, s.label, s.metadata) for s, _, r in done]
-        rewards = await score_responses(ds.reward, items, input.suite.remote_reward)  # none → reward_unavailable
+    @staticmethod
+    async def _score(ds: ResolvedDataset, samples: list[Sample], input: EvalInput) -> DatasetResult:
+        """`ds`'s samples scored with the suite's reward, its `args` namespace as the flow's score
+        task gives it (`EvalSuite.miles_args`); no reward from the service → reward_unavailable."""
+        mine = [s for s in samples if s.dataset == ds.name]
+        items = [RewardItem(s.prompt, s.response, s.label, s.metadata) for s in mine]
+        rewards = await score_responses(ds.reward, items, input.suite.remote_reward, input.suite.miles_args(ds))
         scored = [
             ScoredSample(
-                prompt_index=s.index,
-                sample_index=j,
-                response=r.text,
-                response_len=r.meta_info.completion_tokens,
+                prompt_index=s.prompt_index,
+                sample_index=s.sample_index,
+                response=s.response,
+                response_len=s.response_len,
                 reward=reward,
-                truncated=r.finish_type == LENGTH_FINISH_REASON,
-                weight_version=r.meta_info.weight_version,
+                truncated=s.finish_reason == LENGTH_FINISH_REASON,
+                weight_version=s.weight_version,
             )
-            for (s, j, r), reward in zip(done, rewards, strict=True)
+            for s, reward in zip(mine, rewards, strict=True)
         ]
         return DatasetResult.from_scored(scored)

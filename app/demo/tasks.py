@@ -3,7 +3,7 @@
 Contract:
 - A `Fact` is a prompt `"a+b="` (a, b in 0..9) or `"a-b="` (b in 0..9, answer in 0..9, so a in
   0..18), with its label (the answer as a string). `all_facts()` is all 200 of them, in a fixed
-  order. These are the same prompt and label strings as `pinned_eval/datasets/arith_add.jsonl`
+  order. These are the same prompt and label strings as `pinned_eval/datasets/builtin/arith_add.jsonl`
   and `arith_sub.jsonl` (64 of the 100 facts of each op).
 - `facts(split)`: `"all"` = every fact; `"heldout"` = the facts whose prompt is NOT in the eval
   datasets (36 + 36), so training on it never shows an eval prompt. Which split each training
@@ -59,7 +59,7 @@ def eval_sets() -> tuple[EvalSet, ...]:
     """The builtin eval datasets the demo is measured on (read from the package data)."""
     out = []
     for name in EVAL_DATASETS:
-        text = resources.files("pinned_eval.datasets").joinpath(f"{name}.jsonl").read_text()
+        text = resources.files("pinned_eval.datasets").joinpath("builtin", f"{name}.jsonl").read_text()
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         out.append(EvalSet(name, tuple(r["prompt"] for r in rows), tuple(str(r["label"]) for r in rows)))
     return tuple(out)

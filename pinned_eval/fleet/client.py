@@ -335,6 +335,14 @@ class FleetClient:
 
     # ---- generate ----------------------------------------------------------------------
 
+    @property
+    def generator(self) -> RouterGenerator:
+        """The router client every `/generate` of this fleet goes through (`pinned_eval.rollout`'s
+        point session wraps it); `FleetError` without a router_url."""
+        if self._generator is None:
+            raise FleetError("generate needs a router_url")
+        return self._generator
+
     async def generate(
         self,
         prompt: str | None = None,

@@ -79,6 +79,7 @@ class RouterGenerator:
         self._http = http
         self.url = normalize_url(router_url)
         self._headers = bearer(api_key)
+        self.max_concurrency = max_concurrency
         self._sem = asyncio.Semaphore(max_concurrency)
         self.abort_retries = abort_retries
         self.unavailable_retries = unavailable_retries

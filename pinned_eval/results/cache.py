@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pinned_eval.scoring.loader import EvalSample
+from pinned_eval.datasets.loader import EvalSample
+from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.snapshot.layout import MARKER, RETIRED, Manifest
-from pinned_eval.suite import ResolvedDataset
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "chat_template.jinja", "chat_template.json")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own bound on a header

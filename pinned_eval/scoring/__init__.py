@@ -1,4 +1,4 @@
-"""Pure-Python scoring: dataset loading, rewards, unbiased pass@k, and miles-named eval metrics.
+"""Pure-Python scoring: rewards, unbiased pass@k, and miles-named eval metrics.
 
 Nothing here imports Prefect or talks HTTP; Prefect tasks wrap these functions.
 """

@@ -1,7 +1,7 @@
 """Reward functions `(response, label, metadata=None) -> float | None` and their registry.
 
 `label` keeps its JSON type (str, int or float) as miles sees it (custom rewards too); `metadata` is the row's
-metadata (see `pinned_eval.scoring.loader`). Rewards (each documented in its module):
+metadata (see `pinned_eval.datasets.loader`). Rewards (each documented in its module):
 - miles' rm types, scored as miles' `rm_hub.async_rm` at 31f1ca9 does (docs/rewards.md):
   `math`, `deepscaler`, `gemma_math` (`math_rewards`), `dapo`, `f1` (`miles_rewards`), `gpqa`
   (`choice_rewards`), and the `boxed_` forms `boxed_dapo`, `boxed_f1`, `boxed_gpqa` (the rm
@@ -26,14 +26,13 @@ exist where the flow runs); `get_reward` imports and returns the callable.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import numbers
-import re
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
+from pinned_eval.plugins import is_import_path, load_object
 from pinned_eval.scoring.answers import Label, RewardFn, RewardRefused, RewardTypeError, boxed_content
 from pinned_eval.scoring.choice_rewards import gpqa
 from pinned_eval.scoring.math_rewards import boxed_math, deepscaler, gemma_math, math_answer
@@ -44,7 +43,6 @@ __all__ = ["RewardFn", "RewardRefused", "check_reward_name", "exact_match", "get
 
 CUSTOM_PREFIX = "custom:"
 REMOTE_REWARD = "remote_rm"
-_CUSTOM_PATH = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)$")
 
 
 # ---------------------------------------------------------------------------- exact match
@@ -104,7 +102,7 @@ def check_reward_name(name: str, *, strict_miles: bool = False) -> str:
     if name in REWARD_NAMES:
         return name
     if name.startswith(CUSTOM_PREFIX):
-        if _CUSTOM_PATH.fullmatch(name.removeprefix(CUSTOM_PREFIX)):
+        if is_import_path(name.removeprefix(CUSTOM_PREFIX)):
             return name
         raise ValueError(
             f"reward {name!r}: expected 'custom:<module:function>' or 'custom:<module.function>'"
@@ -120,17 +118,7 @@ def get_reward(name: str) -> RewardFn:
         return BUILTIN_REWARDS[name]
     if name == REMOTE_REWARD:
         raise ValueError("reward 'remote_rm' is scored by pinned_eval.scoring.remote.score_responses")
-    dotted = name.removeprefix(CUSTOM_PREFIX)
-    module_name, sep, attr = dotted.partition(":")
-    if not sep:
-        module_name, _, attr = dotted.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from exc
-    custom = getattr(module, attr, None)
-    if not callable(custom):
-        raise ValueError(f"reward {name!r}: {module_name!r} has no callable {attr!r}")
+    custom = load_object(name.removeprefix(CUSTOM_PREFIX), expect=callable, what=f"reward {name!r}")
     if is_miles_sample_reward(custom):  # miles' --custom-rm-path form: async (args, sample)
         fn: RewardFn = miles_sample_reward(name, custom)
         return fn

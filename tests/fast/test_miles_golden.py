@@ -64,7 +64,7 @@ def test_golden_rows_agree_with_miles(rm_type: str) -> None:
 
 def test_labels_reach_the_reward_with_their_json_type(tmp_path: Path) -> None:
     """Through the dataset loader too (what a real point scores): a numeric label stays a number."""
-    from pinned_eval.scoring.loader import load_dataset
+    from pinned_eval.datasets.loader import load_dataset
     from pinned_eval.suite import DatasetSpec, EvalSuite
 
     rows = [r for r in ROWS if r["rm_type"] in MILES_TYPES]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.results.cache import generation_key, snapshot_digest
 from pinned_eval.results.compare import compare_samples, format_flips
 from pinned_eval.results.store import SAMPLES, ResultsPathError, ResultsStore
 from pinned_eval.results.tables import generation_fields, generation_row, samples_table, table_key
-from pinned_eval.scoring.loader import EvalSample
 from pinned_eval.snapshot.writer import write_snapshot
 from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
 

@@ -165,7 +165,7 @@ def test_paths_resolve_against_base_dir_and_builtin(tmp_path: Path) -> None:
     rel, abs_, pkg = suite.resolved()
     assert rel.path == tmp_path / "sub" / "a.jsonl"
     assert abs_.path == tmp_path / "b.jsonl"
-    assert pkg.path.is_file() and pkg.path.parent.name == "datasets"
+    assert pkg.path.is_file() and pkg.path.parent.name == "builtin"
 
 
 # ---------------------------------------------------------------------------- miles YAML

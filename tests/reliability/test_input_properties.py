@@ -18,9 +18,9 @@ from prefect.exceptions import ParameterTypeError
 from pydantic import ValidationError
 
 from flows.eval_point import eval_point
+from pinned_eval.datasets.loader import DatasetError, EvalSample, load_dataset
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.points import PointRequest, SnapshotSource
-from pinned_eval.scoring.loader import DatasetError, EvalSample, load_dataset
 from pinned_eval.snapshot.check import SnapshotProblem, _Incomplete, _parse_header, check_snapshot
 from pinned_eval.suite import DatasetSpec, EvalSuite
 

@@ -1,0 +1,61 @@
+"""A dataset as the tasks consume it: every field concrete, its path absolute.
+
+`ResolvedDataset` is what `pinned_eval.suite.EvalSuite.resolved()` builds (precedence applied:
+dataset > suite defaults > fallbacks); its `reward` is checked against the reward registry
+(`pinned_eval.scoring.rewards.check_reward_name`) like the suite's own fields. `builtin:<file>`
+dataset paths resolve to `BUILTIN_DIR/<file>`, the JSONL files shipped in `builtin/`.
+This module imports nothing of the suite (no circle: the suite imports it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from pinned_eval.scoring.rewards import check_reward_name
+
+__all__ = ["BUILTIN_DIR", "BUILTIN_PREFIX", "DATASET_NAME_PATTERN", "ResolvedDataset", "RewardName"]
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+
+RewardName = Annotated[str, AfterValidator(check_reward_name)]
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class ResolvedDataset(BaseModel):
+    """A dataset with every field concrete and its path absolute; what tasks consume."""
+
+    model_config = _FROZEN
+
+    name: str = Field(description="Slug used in metric keys.")
+    path: Path = Field(description="Absolute path of the JSONL or Parquet file.")
+    input_key: str = Field(description="Row key of the prompt.")
+    label_key: str = Field(description="Row key of the label.")
+    n_samples_per_prompt: int = Field(ge=1, description="Responses per prompt.")
+    temperature: float = Field(ge=0, description="Sampling temperature.")
+    top_p: float = Field(gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(ge=-1, description="Top-k; -1 disables.")
+    max_new_tokens: int = Field(ge=1, description="Max generated tokens.")
+    stop: tuple[str, ...] = Field(description="Stop strings.")
+    reward: RewardName = Field(description="Reward function name (see pinned_eval.scoring.rewards).")
+    max_prompts: int | None = Field(description="Prompt cap; None uses all prompts.")
+    apply_chat_template: bool = Field(description="Render prompts with the chat template.")
+    apply_chat_template_kwargs: dict[str, Any] = Field(description="Chat template keywords.")
+    system_prompt: str | None = Field(description="System message of templated prompts.")
+    metadata_key: str | None = Field(description="Row key of a metadata object, or None (other columns).")
+    metadata_overrides: dict[str, Any] = Field(description="Keys set on every row's metadata.")
+    every_n_steps: int | None = Field(default=None, ge=1, description="Cadence; None: every point.")
+
+    def sampling_params(self) -> dict[str, Any]:
+        """SGLang native `/generate` sampling_params for this dataset."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "stop": list(self.stop),
+        }
