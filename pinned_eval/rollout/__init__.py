@@ -12,8 +12,8 @@ Contract:
   model call goes through `session.generate`;
 - `ROLLOUTS`: the registry, by name; `register_rollout` adds one explicitly, and a name
   registered twice raises `ValueError`. `single_turn` is registered here;
-- `rollout_kind(ds)`: the kind a dataset uses; every dataset is `single_turn` today (a dataset
-  naming a generate function will choose `function`);
+- `rollout_kind(ds)`: the kind a dataset uses, `ds.rollout`: `function` when it names a miles
+  generate function (`pinned_eval.rollout.function`), else `single_turn`;
 - `run_rollouts(session, datasets, rows, on_start=, on_sample=)`: the one loop. It groups the
   datasets by kind and opens each kind once (all of them before the first request), then runs
   every (dataset, row, j), j < `n_samples_per_prompt`, concurrently (the session bounds requests
@@ -78,8 +78,9 @@ register_rollout(SingleTurn())
 
 
 def rollout_kind(ds: ResolvedDataset) -> str:
-    """The registered kind that produces `ds`'s samples (`single_turn` for every dataset today)."""
-    return SingleTurn.name
+    """The registered kind that produces `ds`'s samples: `ds.rollout` (`function` when the dataset
+    names a generate function, else `single_turn`)."""
+    return ds.rollout
 
 
 async def run_rollouts(
