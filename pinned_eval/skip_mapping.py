@@ -3,6 +3,8 @@
 | exception                                                   | outcome                         |
 |-------------------------------------------------------------|---------------------------------|
 | an `EvalSkipped` (`PinViolation`, `FleetUnhealthy`, ...)    | that skip, its own reason       |
+| `AgentBudgetExceeded` (a point gateway's budget used up)    | `agent_budget`                  |
+| `EvalSkipped(SkipReason.AGENT_ERROR, ...)` (user code failed on a sample) | `agent_error`     |
 | `WeightVersionMismatch` (a response from other weights)     | `pin_violation`                 |
 | `GenerateRejected` with a 5xx status                        | `unhealthy`                     |
 | `GenerateRejected` with a 4xx status (a malformed request)  | not a skip: a bug, it propagates|

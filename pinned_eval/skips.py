@@ -23,6 +23,8 @@ class SkipReason(StrEnum):
     REWARD_UNAVAILABLE = "reward_unavailable"  # the remote scoring service gave no reward
     TIMED_OUT = "timed_out"  # the point ran past the suite block's point_timeout_seconds
     CRASHED = "crashed"
+    AGENT_BUDGET = "agent_budget"  # an agentic point used up its model-call budget (requests, tokens)
+    AGENT_ERROR = "agent_error"  # user generate/agent code failed (exception, hang, memory) on a sample
 
 
 def skip_reason(value: str | SkipReason) -> str:

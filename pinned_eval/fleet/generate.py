@@ -12,6 +12,10 @@ Contract:
 - A returned result always carries `meta_info.weight_version == expected` and no span of another
   version, else `WeightVersionMismatch`.
 - At most `max_concurrency` requests are in flight per `RouterGenerator` (asyncio.Semaphore).
+- `forward(method, path, body, expected)` sends a caller's own body (`/generate`, `/v1/...`) under the
+  same bound, 503 backoff and abort retries; a non-200 reply is returned as it came (status, JSON or
+  text); a 200 reply must be JSON and name `expected` (`check_reply_version`), else
+  `GenerateRejected` / `WeightVersionMismatch`. `expected=None` (e.g. `GET /v1/models`) checks none.
 """
 
 from __future__ import annotations
@@ -61,6 +65,46 @@ def check_version(result: GenerateResult, expected: str) -> None:
     spans = [s.version for s in result.meta_info.weight_versions]
     if result.weight_version != expected or any(v != expected for v in spans):
         raise WeightVersionMismatch(expected, result.weight_version, spans)
+
+
+def _versions(item: Any) -> tuple[str | None, list[str]]:
+    """(weight_version, span versions) one reply object names: `meta_info` (/generate) or `metadata` (/v1)."""
+    if not isinstance(item, dict):
+        return None, []
+    info = item.get("meta_info") if "meta_info" in item else item.get("metadata")
+    if not isinstance(info, dict):
+        return None, []
+    spans = info.get("weight_versions") or []
+    got = info.get("weight_version")
+    return (got if isinstance(got, str) else None), [
+        str(s.get("version")) if isinstance(s, dict) else str(s) for s in (spans if isinstance(spans, list) else [])
+    ]
+
+
+def check_reply_version(payload: Any, expected: str) -> str:
+    """Raise `WeightVersionMismatch` unless every result of a raw 200 reply (one `/generate` object, a
+    `/generate` batch list, or a `/v1` reply) names `expected` and no span of another version."""
+    for item in payload if isinstance(payload, list) else [payload]:
+        got, spans = _versions(item)
+        if got != expected or any(v != expected for v in spans):
+            raise WeightVersionMismatch(expected, got, spans)
+    return expected
+
+
+def reply_aborted(payload: Any) -> bool:
+    """Whether a raw reply reports an `abort` finish (`meta_info.finish_reason.type` or a `/v1` choice's)."""
+    for item in payload if isinstance(payload, list) else [payload]:
+        if not isinstance(item, dict):
+            continue
+        meta = item.get("meta_info")
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            return True
+        choices = item.get("choices")
+        if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+                                             for c in choices):
+            return True
+    return False
 
 
 class RouterGenerator:
@@ -129,3 +173,41 @@ class RouterGenerator:
                     continue
                 check_version(result, expected_version)
                 return result
+
+    async def forward(
+        self, method: str, path: str, body: dict[str, Any] | None, expected_version: str | None
+    ) -> tuple[int, Any]:
+        """A caller's own request (see the module docstring): (status, parsed reply)."""
+        body = dict(body) if body is not None else None
+        rid = body.get("rid") if body is not None else None
+        sent, aborts, unavailable = 0, 0, 0
+        async with self._sem:
+            while True:
+                if isinstance(rid, str) and sent and body is not None:
+                    body["rid"] = f"{rid}.retry{sent}"
+                sent += 1
+                try:
+                    resp = await self._http.request(method, f"{self.url}{path}", json=body, headers=self._headers)
+                except httpx.TransportError as exc:
+                    raise FleetError(f"router {self.url} unreachable: {exc!r}") from exc
+                if resp.status_code == 503 and unavailable < self.unavailable_retries:
+                    unavailable += 1
+                    await asyncio.sleep(min(0.5 * 2 ** (unavailable - 1), 4.0))
+                    continue
+                try:
+                    payload = resp.json()
+                except ValueError:
+                    if resp.status_code == 200:
+                        raise GenerateRejected(self.url, 200, f"{path} reply is not JSON: {resp.text[:200]!r}") \
+                            from None
+                    return resp.status_code, resp.text
+                if resp.status_code != 200 or expected_version is None:
+                    return resp.status_code, payload
+                if reply_aborted(payload):
+                    aborts += 1
+                    if aborts > self.abort_retries:
+                        raise GenerationAborted(rid if isinstance(rid, str) else None, aborts, f"{path} aborted")
+                    await asyncio.sleep(min(0.1 * aborts, 1.0))
+                    continue
+                check_reply_version(payload, expected_version)
+                return 200, payload

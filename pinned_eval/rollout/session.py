@@ -15,6 +15,10 @@ Contract:
 - `tokenizer_dir`: where prompts' chat templates come from (the pinned snapshot's tokenizer);
 - accounting: `counters` counts calls started (`requests`), results returned (`completed`, each
   version-checked) and their prompt and completion tokens, for the whole point.
+- `forward(method, path, body, rid=)`: a caller's own body (the point gateway's `/generate` and
+  `/v1/...` requests) through `RouterGenerator.forward` — same bound, abort retries, version check
+  (none for GETs); a single-prompt `/generate` body gets the rid `<rid_prefix>-<rid>` and, in adapter
+  mode, `lora_path`; a 200 reply's tokens (`meta_info` or `usage`) are counted like `generate`'s.
 This module imports no Prefect.
 """
 
@@ -26,7 +30,7 @@ from typing import Any
 from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
 from pinned_eval.fleet.models import GenerateResult, SamplingParams
 
-__all__ = ["PointSession", "SessionCounters"]
+__all__ = ["PointSession", "SessionCounters", "reply_tokens"]
 
 
 @dataclass
@@ -90,3 +94,40 @@ class PointSession:
         self.counters.prompt_tokens += result.meta_info.prompt_tokens
         self.counters.completion_tokens += result.meta_info.completion_tokens
         return result
+
+    async def forward(self, method: str, path: str, body: dict[str, Any] | None, *, rid: str) -> tuple[int, Any]:
+        """A caller's own request as the pin contract says (see the module docstring): (status, reply)."""
+        if body is not None and path == "/generate":
+            body = dict(body)
+            if isinstance(body.get("text"), str) or _flat_ids(body.get("input_ids")):
+                body["rid"] = f"{self.rid_prefix}-{rid}"
+            if self.lora is not None:
+                body["lora_path"] = self.lora
+        self.counters.requests += 1
+        status, payload = await self._generator.forward(
+            method, path, body, self.expected_version if method == "POST" else None
+        )
+        if status == 200 and method == "POST":
+            prompt, completion = reply_tokens(payload)
+            self.counters.completed += 1
+            self.counters.prompt_tokens += prompt
+            self.counters.completion_tokens += completion
+        return status, payload
+
+
+def _flat_ids(ids: Any) -> bool:
+    return isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+
+
+def reply_tokens(payload: Any) -> tuple[int, int]:
+    """(prompt, completion) tokens of a raw reply: `meta_info` per `/generate` result, `usage` on `/v1`."""
+    prompt = completion = 0
+    for item in payload if isinstance(payload, list) else [payload]:
+        if not isinstance(item, dict):
+            continue
+        info = item.get("meta_info") if isinstance(item.get("meta_info"), dict) else item.get("usage")
+        if isinstance(info, dict):
+            p, c = info.get("prompt_tokens"), info.get("completion_tokens")
+            prompt += p if isinstance(p, int) else 0
+            completion += c if isinstance(c, int) else 0
+    return prompt, completion

@@ -14,8 +14,9 @@ from pinned_eval.fleet.errors import (
     NotPinned,
     WeightVersionMismatch,
 )
+from pinned_eval.gateway import AgentBudgetExceeded
 from pinned_eval.skip_mapping import fleet_skips, skip_for
-from pinned_eval.skips import EvalSkipped
+from pinned_eval.skips import EvalSkipped, SkipReason
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,8 @@ from pinned_eval.skips import EvalSkipped
         (httpx.ConnectError("refused"), "unhealthy"),
         (FleetUnhealthy("engines down"), "unhealthy"),
         (EvalSkipped("quota", "over quota"), "quota"),
+        (AgentBudgetExceeded("max_requests", 10), "agent_budget"),
+        (EvalSkipped(SkipReason.AGENT_ERROR, "gsm8k sample 3: ValueError: boom"), "agent_error"),
     ],
 )
 def test_fleet_failures_are_typed_skips(exc: Exception, reason: str) -> None:
