@@ -9,13 +9,15 @@ code prints goes to stderr, so it cannot forge an event):
   requests to the gateway carry its token; answered `{"event": "ready", "miles": "installed" |
   "compat"}`;
 - `{"op": "sample", "id", "function", "args": {...}, "sample": {index, prompt, label, metadata,
-  routing_key?}, "sampling_params": {...}}`: the function (`function` is miles'
+  routing_key?}, "sampling_params": {...}, "reward": name?}`: the function (`function` is miles'
   `module.attr`; loaded through `pinned_eval.plugins`, once per path) is called with
   `evaluation=True` in the shape miles' `load_generate_function` accepts: a class is instantiated
   with no arguments; a function with three or more parameters whose first is not named `input`
   is the old form `(args, sample, sampling_params[, evaluation=True])`; anything else gets a
   `GenerateFnInput(state, sample, sampling_params, evaluation=True)`. It may return a `Sample`,
-  a `list[Sample]` or a `GenerateFnOutput` of either. Answered `{"event": "result", "id",
+  a `list[Sample]` or a `GenerateFnOutput` of either. Then, as miles' `generate_and_rm`: a
+  reward set during generation is kept; every other sample but an ABORTED one gets the dataset's
+  reward `reward` (`dataset_reward`). Answered `{"event": "result", "id",
   "samples": [...]}` (`sample_record`) or `{"event": "error", "id", "type", "message"}`
   naming the exception's type;
 - requests run concurrently; `{"event": "heartbeat"}` is written every `HEARTBEAT_S`; EOF on
@@ -83,6 +85,25 @@ def sample_record(sample: Any) -> dict[str, Any]:
         "metadata": _json_safe(sample.metadata or {}),
         "weight_versions": [str(v) for v in (sample.weight_versions or [])],
     }
+
+
+async def dataset_reward(name: str, args: Any, sample: Any) -> Any:
+    """The dataset's reward of `sample`: a miles `async (args, sample)` custom reward is called
+    with the runner's args and sample; any other reward (`pinned_eval.scoring.rewards`) scores
+    (response, label, metadata). `remote_rm` is left to the worker (None)."""
+    from pinned_eval.scoring.miles_custom import is_miles_sample_reward
+    from pinned_eval.scoring.rewards import CUSTOM_PREFIX, REMOTE_REWARD, get_reward
+
+    if name == REMOTE_REWARD:
+        return None
+    if name.startswith(CUSTOM_PREFIX):
+        from pinned_eval.plugins import load_object
+
+        fn = load_object(name.removeprefix(CUSTOM_PREFIX), expect=callable, what=f"reward {name!r}")
+        if is_miles_sample_reward(fn):
+            result = fn(args, sample)
+            return await result if inspect.isawaitable(result) else result
+    return get_reward(name)(sample.response, sample.label, sample.metadata)
 
 
 def _is_old_form(fn: Any) -> bool:
@@ -155,6 +176,9 @@ class _Runner:
                 generate_function_path=req["function"], routing_key=raw.get("routing_key"),
             )
             samples = await call_generate(fn, args, sample, dict(req.get("sampling_params") or {}))
+            for s in samples:  # miles' generate_and_rm: a preset reward is kept; ABORTED is not scored
+                if s.reward is None and req.get("reward") and getattr(s.status, "value", s.status) != "aborted":
+                    s.reward = await dataset_reward(req["reward"], args, s)
             _emit(self.out, {"event": "result", "id": rid, "samples": [sample_record(s) for s in samples]})
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
