@@ -19,9 +19,8 @@ Contract:
   datasets by kind and opens each kind once (all of them before the first request), then runs
   every (dataset, row, j), j < `n_samples_per_prompt`, concurrently (the session bounds requests
   in flight) and returns the samples in that order (dataset, row, j), a list flattened in
-  place.
-  `on_start(total)` is called once every kind is open, `on_sample(sample)` as each sample ends. A failing sample fails the
-  call (the caller maps errors to skips: `pinned_eval.skip_mapping.fleet_skips`).
+  place. `on_start(total)` is called once every kind is open, `on_sample(sample)` as each sample
+  ends. A failing sample fails the call (the caller maps errors to skips: `pinned_eval.skip_mapping.fleet_skips`).
 This package imports no Prefect.
 """
 
