@@ -29,18 +29,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pinned_eval.agentic.client import AgentError, AgentRunner
 from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.datasets.spec import ResolvedDataset
-from pinned_eval.gateway import GatewayLimits, PointGateway
 from pinned_eval.prompts import PromptRenderer
 from pinned_eval.rollout.session import PointSession
 from pinned_eval.rollout.single_turn import sampling
 from pinned_eval.rollout.types import Sample, Usage
 from pinned_eval.skips import EvalSkipped, SkipReason
+
+if TYPE_CHECKING:  # the gateway imports the rollout package (the session): imported where used
+    from pinned_eval.gateway import GatewayLimits
 
 __all__ = ["FINISH_OF_STATUS", "FunctionRollout", "dataset_args"]
 
@@ -82,6 +84,8 @@ class FunctionRollout:
         memory_bytes: int | None = 4 * 1024**3,
         python_path: Sequence[str] = (),
     ) -> None:
+        from pinned_eval.gateway import GatewayLimits
+
         self.limits = limits or GatewayLimits()
         self.sample_timeout_s = sample_timeout_s
         self.memory_bytes = memory_bytes
@@ -94,6 +98,8 @@ class FunctionRollout:
         datasets: Sequence[ResolvedDataset],
         rows: Mapping[str, Sequence[EvalSample]],
     ) -> AsyncIterator[Any]:
+        from pinned_eval.gateway import PointGateway
+
         renderer = PromptRenderer(session.tokenizer_dir)
         prompts = {
             (ds.name, s.index): renderer.render(ds, s).text if ds.apply_chat_template else s.prompt
