@@ -6,10 +6,11 @@ code prints goes to stderr, so it cannot forge an event):
 - first request `{"op": "init", "miles_args": {...}, "gateway": {"base_url", "token"} | null,
   "python_path": [dirs]}`: the miles-compatible surface is installed unless real miles is
   importable (`pinned_eval.agentic.compat.install`), `python_path` is put first on `sys.path`,
-  requests to the gateway carry its token; answered `{"event": "ready", "miles": "installed" |
-  "compat"}`;
+  requests to the gateway carry its token (also in `OPENAI_API_KEY`, for agents' OpenAI
+  clients); answered `{"event": "ready", "miles": "installed" | "compat"}`;
 - `{"op": "sample", "id", "function", "args": {...}, "sample": {index, prompt, label, metadata,
-  routing_key?}, "sampling_params": {...}, "reward": name?}`: the function (`function` is miles'
+  routing_key?, session_url?}, "sampling_params": {...}, "reward": name?}` (`session_url`: the
+  sample's gateway session, the `base_url` an agent function gets): the function (`function` is miles'
   `module.attr`; loaded through `pinned_eval.plugins`, once per path) is called with
   `evaluation=True` in the shape miles' `load_generate_function` accepts: a class is instantiated
   with no arguments; a function with three or more parameters whose first is not named `input`
@@ -153,6 +154,7 @@ class _Runner:
             else:  # real miles: its module-global client gets the header
                 set_gateway_auth = _real_miles_auth
             set_gateway_auth(gateway["base_url"], gateway["token"])
+            os.environ["OPENAI_API_KEY"] = gateway["token"]  # what an agent's OpenAI client sends
         return {"event": "ready", "miles": "compat" if installed else "installed"}
 
     def function(self, path: str) -> Any:
@@ -175,6 +177,10 @@ class _Runner:
                 metadata=dict(raw.get("metadata") or {}),
                 generate_function_path=req["function"], routing_key=raw.get("routing_key"),
             )
+            if installed_surface():
+                from pinned_eval.agentic.compat.agentic_tool_call import SESSION_URL
+
+                SESSION_URL.set(raw.get("session_url"))  # this task's context only
             samples = await call_generate(fn, args, sample, dict(req.get("sampling_params") or {}))
             for s in samples:  # miles' generate_and_rm: a preset reward is kept; ABORTED is not scored
                 if s.reward is None and req.get("reward") and getattr(s.status, "value", s.status) != "aborted":
@@ -207,6 +213,13 @@ class _Runner:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             _emit(self.out, {"event": "heartbeat"})
+
+
+def installed_surface() -> bool:
+    """Whether this process serves pinned-eval's miles-compatible surface."""
+    from pinned_eval.agentic.compat import MilesSurfaceFinder
+
+    return any(isinstance(f, MilesSurfaceFinder) for f in sys.meta_path)
 
 
 def _real_miles_auth(base_url: str, token: str) -> None:

@@ -17,7 +17,11 @@ Contract:
 - `produce` sends one sample and awaits its `Sample`s: several when the function returns a list
   (multi-agent), each kept as an eval sample as miles does. A reward set during generation is
   kept; the dataset's reward scores the others in the runner (ABORTED ones get none); `status`
-  is miles' status name and `finish_reason` the one it implies (truncated -> `length`).
+  is miles' status name and `finish_reason` the one it implies (truncated -> `length`). Each
+  sample gets its own gateway session (`session_url`, the agent function's `base_url`); the
+  gateway's transcript of the sample (calls made in its session or naming its routing key) is
+  kept as `messages` and counted as `turns`; an agent function's sample (miles' hub
+  `agentic_tool_call`) takes its response, status and weight versions from the last reply there.
 - the gateway's `violation` (a reply of another weight version -> `pin_violation`, a budget ->
   `agent_budget`) fails the point first; any failure of user code (an exception, no result within
   `sample_timeout_s`, the runner dying, e.g. of `memory_bytes`, an output flood) is the skip
@@ -128,6 +132,7 @@ class FunctionRollout:
                             "label": row.label,
                             "metadata": dict(row.metadata),
                             "routing_key": key,
+                            "session_url": gateway.open_sample(key),
                         },
                         "sampling_params": params,
                         "reward": ds.reward,
@@ -149,6 +154,12 @@ class FunctionRollout:
 
 
 def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], calls: list[dict[str, Any]]) -> Sample:
+    metadata = dict(rec.get("metadata") or {})
+    if metadata.pop("from_transcript", False) and calls:  # an agent function: what the fleet answered
+        last = calls[-1]
+        rec = {**rec, "response": last.get("text") or "", "response_length": last.get("completion_tokens") or 0,
+               "status": "truncated" if last.get("finish_reason") == "length" else "completed",
+               "weight_versions": [c["weight_version"] for c in calls if c.get("weight_version")]}
     reward = rec.get("reward")
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
         raise EvalSkipped(
@@ -164,7 +175,7 @@ def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], c
         sample_index=j,
         prompt=prompt if isinstance(prompt, str) else str(prompt),
         label=row.label,
-        metadata=rec.get("metadata") or {},
+        metadata=metadata,
         response=rec.get("response") or "",
         response_len=int(rec.get("response_length") or 0),
         finish_reason=FINISH_OF_STATUS.get(str(status)),
@@ -172,5 +183,6 @@ def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], c
         status=status,
         reward=None if reward is None else float(reward),
         turns=len(calls),
+        messages=calls or None,
         usage=Usage(requests=len(calls)),
     )

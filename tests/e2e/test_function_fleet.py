@@ -36,7 +36,11 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
 FIXTURES = str(Path(__file__).parent.parent / "fixtures" / "miles_style")
+CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(2+2)"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "code_interpreter", "parameters": {"type": "object"}}}]
 RULES = [
+    {"prompt_contains": "<tool_response>", "completion": "The answer is 4."},
+    {"prompt_contains": "What is 2+2?", "completion": CALL},
     {"prompt_contains": "<information>", "completion": "<answer>Paris</answer>"},
     {"prompt_contains": "Capital of France?", "completion": "<search>capital of France</search>"},
     {"prompt_contains": "[rewriter]", "completion": "rewritten 7"},
@@ -59,7 +63,7 @@ def fleet(model: Path) -> Iterator[LaunchedFleet]:
     keys = FleetKeys.resolve()
     spec = engine_spec(
         CpuEngineArgs(model_path=str(model), port=free_port(), weight_version="5", api_key=keys.api,
-                      admin_api_key=keys.admin, scripted_completions=str(rules)),
+                      admin_api_key=keys.admin, scripted_completions=str(rules), tool_call_parser="qwen25"),
         env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
     )  # fmt: skip
     launched = launch_fleet([spec], log_dir=model.parent / "logs", keys=keys, ready_timeout_s=120)
@@ -102,9 +106,9 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def _ds(name: str, function: str, reward: str, **kw: object):  # type: ignore[no-untyped-def]
+def _ds(name: str, function: str, reward: str, max_new_tokens: int = 48, **kw: object):  # type: ignore[no-untyped-def]
     spec = DatasetSpec(name=name, path=f"/{name}.jsonl", generate_function=function, reward=reward,
-                       temperature=0.0, max_new_tokens=48, **kw)  # type: ignore[arg-type]  # fmt: skip
+                       temperature=0.0, max_new_tokens=max_new_tokens, **kw)  # type: ignore[arg-type]  # fmt: skip
     [ds] = EvalSuite(datasets=(spec,)).resolved()
     return ds
 
@@ -167,3 +171,19 @@ async def test_endless_turns_stop_at_the_turn_limit_as_agent_error(
     ds = _ds("loop", "runaway.endless", "exact_match")
     with pytest.raises(EvalSkipped, match=r"^agent_error: dataset 'loop' sample 0 \(j=0\): HTTPStatusError: .*429"):
         await _point(fleet, http, model, ds, [EvalSample(0, "go", "x")], limits=GatewayLimits(max_turns_per_sample=3))
+
+
+async def test_agent_function_over_chat_completions_in_its_session(
+    fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path
+) -> None:
+    ds = _ds("agent", "miles.rollout.generate_hub.agentic_tool_call.generate",
+             "custom:agent_chat.reward_from_metadata", max_new_tokens=256,
+             custom_agent_function_path="agent_chat.run_agent")
+    [s] = await _point(fleet, http, model, ds, [EvalSample(0, "What is 2+2?", "4", {"tools": TOOLS})])
+    assert (s.response, s.status, s.finish_reason, s.weight_version, s.reward) == (
+        "The answer is 4.", "completed", "stop", "5", 1.0)
+    assert (s.turns, s.metadata["agent_turns"], s.metadata["reward"]) == (2, 4, 1.0)
+    assert s.messages is not None
+    assert [(m["route"], m["finish_reason"], m["weight_version"]) for m in s.messages] == [
+        ("/sessions/{id}/v1/chat/completions", "tool_calls", "5"), ("/sessions/{id}/v1/chat/completions", "stop", "5")]
+    assert s.messages[0]["tool_calls"][0]["function"]["name"] == "code_interpreter"

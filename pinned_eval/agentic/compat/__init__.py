@@ -6,7 +6,8 @@ Contract:
   (`GenerateFnInput`, `GenerateFnOutput`), `miles.utils.http_utils` (`post`, `init_http_client`),
   `miles.utils.misc` (`load_function`), `miles.rollout.sglang_rollout` (`GenerateState`),
   `miles.rollout.generate_utils.generate_endpoint_utils`, `miles.rollout.generate_hub.single_turn`
-  (`generate`), `miles.rollout.rm_hub` (`async_rm`, `batched_async_rm`: pinned-eval's rewards).
+  (`generate`), `miles.rollout.generate_hub.agentic_tool_call` (`generate`,
+  agent functions), `miles.rollout.rm_hub` (`async_rm`, `batched_async_rm`: pinned-eval's rewards).
 - `install()` puts a meta-path finder first on `sys.meta_path` unless real miles is importable
   (then real miles is used and nothing is installed); it returns whether it installed. It is
   called only inside the runner subprocess (`pinned_eval.agentic.runner`), never in a worker.
@@ -39,6 +40,7 @@ SURFACE: dict[str, str | None] = {
     "miles.rollout.generate_utils.generate_endpoint_utils": f"{_HERE}.endpoint",
     "miles.rollout.generate_hub": None,
     "miles.rollout.generate_hub.single_turn": f"{_HERE}.single_turn",
+    "miles.rollout.generate_hub.agentic_tool_call": f"{_HERE}.agentic_tool_call",
     "miles.rollout.rm_hub": f"{_HERE}.rm_hub",
 }
 
