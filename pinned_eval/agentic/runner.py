@@ -51,6 +51,7 @@ DEFAULT_ARGS: dict[str, Any] = {
     "rollout_max_response_len": 1024, "rollout_temperature": 1.0, "rollout_top_p": 1.0, "rollout_top_k": -1,
     "rollout_stop": None, "rollout_stop_token_ids": None, "rollout_skip_special_tokens": False,
     "rollout_seed": 42, "sglang_server_concurrency": 64, "rollout_num_gpus": 1, "rollout_num_gpus_per_engine": 1,
+    "eval_num_gpus": 0, "eval_num_gpus_per_engine": 1, "use_distributed_post": False,
     "use_rollout_routing_replay": False, "use_rollout_indexer_replay": False, "sglang_speculative_algorithm": None,
     "num_layers": None, "multimodal_keys": None, "save_debug_trajectory_data": False, "group_rm": False,
     "reward_key": None, "eval_reward_key": None, "rm_type": None, "custom_rm_path": None, "rm_url": None,
@@ -152,10 +153,18 @@ class _Runner:
             if installed:
                 from pinned_eval.agentic.compat.http_utils import set_gateway_auth
             else:  # real miles: its module-global client gets the header
-                set_gateway_auth = _real_miles_auth
+                set_gateway_auth = self._real_miles_auth
             set_gateway_auth(gateway["base_url"], gateway["token"])
             os.environ["OPENAI_API_KEY"] = gateway["token"]  # what an agent's OpenAI client sends
         return {"event": "ready", "miles": "compat" if installed else "installed"}
+
+    def _real_miles_auth(self, base_url: str, token: str) -> None:
+        """Real miles: its module-global client (made here, as miles' `init_http_client(args)`
+        does) sends the gateway's token; miles' `post` sends no header of its own."""
+        from miles.utils import http_utils
+
+        http_utils.init_http_client(SimpleNamespace(**self.base_args))
+        http_utils._http_client.headers["Authorization"] = f"Bearer {token}"
 
     def function(self, path: str) -> Any:
         if path not in self.functions:
@@ -222,11 +231,6 @@ def installed_surface() -> bool:
     return any(isinstance(f, MilesSurfaceFinder) for f in sys.meta_path)
 
 
-def _real_miles_auth(base_url: str, token: str) -> None:
-    from miles.utils import http_utils  # real miles
-
-    http_utils.init_http_client(SimpleNamespace(**DEFAULT_ARGS))
-    http_utils._http_client.headers["Authorization"] = f"Bearer {token}"
 
 
 def check_paths(paths: list[str]) -> dict[str, Any]:
