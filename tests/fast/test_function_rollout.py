@@ -95,3 +95,33 @@ async def test_run_rollouts_flattens_and_skips_through_the_registry() -> None:
                 await run_rollouts(session, [ds], {ds.name: [EvalSample(0, "p", "1")]})
         finally:
             ROLLOUTS["function"].python_path = []  # type: ignore[attr-defined]
+
+
+def test_documented_defaults() -> None:
+    from pinned_eval.agentic.client import MAX_EVENT_BYTES, STDERR_TAIL
+
+    rollout = FunctionRollout()
+    assert (rollout.memory_bytes, rollout.sample_timeout_s) == (4 << 30, 600.0)
+    assert (STDERR_TAIL, MAX_EVENT_BYTES) == (4096, 16 << 20)
+
+
+def test_the_runner_dies_with_its_parent(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, os\n"
+        "from pinned_eval.agentic.client import AgentRunner\n"
+        "async def main():\n"
+        "    async with AgentRunner({}) as r:\n"
+        "        print(r.pid, flush=True)\n"
+        "        os._exit(0)  # no cleanup: only the parent-death signal can end the runner\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(done.stdout.strip())
+    try:
+        psutil.Process(pid).wait(timeout=10)  # SIGKILLed by the kernel when its parent died
+    except psutil.NoSuchProcess:
+        pass  # already gone
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
