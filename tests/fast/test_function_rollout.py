@@ -5,6 +5,7 @@ no model call, so the point's session points at a closed port."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -120,8 +121,6 @@ def test_the_runner_dies_with_its_parent(tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     pid = int(done.stdout.strip())
-    try:
+    with contextlib.suppress(psutil.NoSuchProcess):  # already gone
         psutil.Process(pid).wait(timeout=10)  # SIGKILLed by the kernel when its parent died
-    except psutil.NoSuchProcess:
-        pass  # already gone
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
