@@ -25,7 +25,8 @@ by `EvalSuite`):
 - pinned-eval's extension keys (`EXTENSION_KEYS`: `n_samples_per_prompt`, `max_new_tokens`,
   `reward`, `max_prompts`, `apply_chat_template`, `apply_chat_template_kwargs`, `system_prompt`,
   `generate_function`, miles' generate-function flags set per dataset (`generate_max_turns`,
-  `generate_tool_specs_path`, `generate_tool_call_parser`, `custom_agent_function_path`: on the
+  `generate_tool_specs_path`, `generate_tool_call_parser`, `generate_execute_tool_function_path`,
+  `custom_agent_function_path`: on the
   miles CLI they are flags, not eval-config keys) and `rm_type: exact_match`) are refused with
   `strict_miles=True`, so a config that loads strictly means the same to miles.
 """
@@ -79,6 +80,7 @@ MILES_KEYS = {
     "generate_tool_specs_path": "generate_tool_specs_path",
     "generate_tool_call_parser": "generate_tool_call_parser",
     "custom_agent_function_path": "custom_agent_function_path",
+    "generate_execute_tool_function_path": "generate_execute_tool_function_path",
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
 UNSUPPORTED_UNLESS_EMPTY = ("stop_token_ids", "min_new_tokens")

@@ -117,6 +117,9 @@ class _SamplingFields(BaseModel):
     )
     generate_max_turns: int | None = Field(default=None, ge=1, description="miles --generate-max-turns.")
     generate_tool_specs_path: ImportPath | None = Field(default=None, description="miles --generate-tool-specs-path.")
+    generate_execute_tool_function_path: ImportPath | None = Field(
+        default=None, description="miles --generate-execute-tool-function-path."
+    )
     generate_tool_call_parser: ToolCallParser | None = Field(
         default=None, description="miles --generate-tool-call-parser (qwen25 | hermes)."
     )
@@ -188,6 +191,9 @@ class SamplingFallbacks(BaseModel):
     tool_key: str = Field(default="tools", min_length=1, description="miles --tool-key (default 'tools').")
     generate_max_turns: int | None = Field(default=None, ge=1, description="miles --generate-max-turns.")
     generate_tool_specs_path: ImportPath | None = Field(default=None, description="miles --generate-tool-specs-path.")
+    generate_execute_tool_function_path: ImportPath | None = Field(
+        default=None, description="miles --generate-execute-tool-function-path."
+    )
     generate_tool_call_parser: ToolCallParser | None = Field(
         default=None, description="miles --generate-tool-call-parser."
     )

@@ -1,7 +1,7 @@
 """Suite-load check of generate functions: `check_generate_imports(datasets, cwd=None)`.
 
 Every import path a dataset names for user code (`generate_function`, `generate_tool_specs_path`,
-`custom_agent_function_path`) is imported in a throwaway runner subprocess
+`generate_execute_tool_function_path`, `custom_agent_function_path`) is imported in a throwaway runner subprocess
 (`python -m pinned_eval.agentic.runner --check`, miles-compatible surface installed), never in the
 calling process. A module that cannot be imported, a missing attribute, or an import of a miles
 module outside the surface raises `ValueError` naming the dataset, the path and the module.
@@ -23,7 +23,9 @@ CHECK_TIMEOUT_S = 120.0
 
 def user_paths(ds: ResolvedDataset) -> list[str]:
     """The import paths of user code `ds` names (generate function first)."""
-    return [p for p in (ds.generate_function, ds.generate_tool_specs_path, ds.custom_agent_function_path) if p]
+    paths = (ds.generate_function, ds.generate_tool_specs_path, ds.generate_execute_tool_function_path,
+             ds.custom_agent_function_path)
+    return [p for p in paths if p]
 
 
 def check_generate_imports(datasets: Sequence[ResolvedDataset], *, cwd: str | None = None) -> None:

@@ -69,7 +69,7 @@ def dataset_args(ds: ResolvedDataset) -> dict[str, Any]:
         "n_samples_per_eval_prompt": ds.n_samples_per_prompt,
     }
     for flag in ("generate_max_turns", "generate_tool_specs_path", "generate_tool_call_parser",
-                 "custom_agent_function_path"):
+                 "generate_execute_tool_function_path", "custom_agent_function_path"):
         if getattr(ds, flag) is not None:
             out[flag] = getattr(ds, flag)
     return out

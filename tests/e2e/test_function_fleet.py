@@ -42,6 +42,7 @@ GOLDEN = Path(__file__).parent.parent / "data" / "miles_generate_golden.jsonl"
 CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(2+2)"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "code_interpreter", "parameters": {"type": "object"}}}]
 RULES = [
+    {"prompt_contains": "Output:\n4", "completion": "The answer is 4."},
     {"prompt_contains": "<tool_response>", "completion": "The answer is 4."},
     {"prompt_contains": "What is 2+2?", "completion": CALL},
     {"prompt_contains": "<information>", "completion": "<answer>Paris</answer>"},
@@ -190,3 +191,15 @@ async def test_agent_function_over_chat_completions_in_its_session(
     assert [(m["route"], m["finish_reason"], m["weight_version"]) for m in s.messages] == [
         ("/sessions/{id}/v1/chat/completions", "tool_calls", "5"), ("/sessions/{id}/v1/chat/completions", "stop", "5")]
     assert s.messages[0]["tool_calls"][0]["function"]["name"] == "code_interpreter"
+
+
+async def test_retool_style_multi_turn_with_tool_specs(
+    fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path
+) -> None:
+    ds = _ds("retool", "miles.rollout.generate_hub.multi_turn.generate", "exact_match", max_new_tokens=256,
+             generate_max_turns=3, generate_tool_specs_path="retool_style.tool_specs",
+             generate_tool_call_parser="qwen25", generate_execute_tool_function_path="retool_style.execute_tool")
+    [s] = await _point(fleet, http, model, ds, [EvalSample(0, "What is 2+2?", "The")])
+    assert s.response.startswith(CALL) and s.response.endswith("The answer is 4.")
+    assert "Output:\n4" in s.response
+    assert (s.status, s.weight_version, s.turns, s.reward) == ("completed", "5", 2, 0.0)

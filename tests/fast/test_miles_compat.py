@@ -50,12 +50,12 @@ def test_the_surface_is_served_and_anything_else_refused_by_name() -> None:
         "from miles.rollout.generate_utils.generate_endpoint_utils import update_sample_from_response\n"
         "import pinned_eval.agentic.compat.types as t; assert Sample is t.Sample\n"
         "assert load_function('miles.rollout.generate_hub.single_turn.generate') is generate\n"
-        "try:\n    import miles.rollout.generate_hub.multi_turn\nexcept ImportError as e:\n    print(e.name, '|', e)\n"
+        "try:\n    import miles.rollout.generate_hub.tree_search\nexcept ImportError as e:\n    print(e.name, '|', e)\n"
     )
     name, message = out.split(" | ")
-    assert name == "miles.rollout.generate_hub.multi_turn"
-    assert message == str(surface_error("miles.rollout.generate_hub.multi_turn"))
-    assert message.startswith("miles module 'miles.rollout.generate_hub.multi_turn' is not in pinned-eval's")
+    assert name == "miles.rollout.generate_hub.tree_search"
+    assert message == str(surface_error("miles.rollout.generate_hub.tree_search"))
+    assert message.startswith("miles module 'miles.rollout.generate_hub.tree_search' is not in pinned-eval's")
     assert all(m in message for m, target in SURFACE.items() if target is not None)
 
 

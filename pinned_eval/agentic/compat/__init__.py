@@ -7,7 +7,8 @@ Contract:
   `miles.utils.misc` (`load_function`), `miles.rollout.sglang_rollout` (`GenerateState`),
   `miles.rollout.generate_utils.generate_endpoint_utils`, `miles.rollout.generate_hub.single_turn`
   (`generate`), `miles.rollout.generate_hub.agentic_tool_call` (`generate`,
-  agent functions), `miles.rollout.rm_hub` (`async_rm`, `batched_async_rm`: pinned-eval's rewards).
+  agent functions), `multi_turn` (`generate`, with `generate_utils.tool_call_utils`),
+  `miles.rollout.rm_hub` (`async_rm`, `batched_async_rm`: pinned-eval's rewards).
 - `install()` puts a meta-path finder first on `sys.meta_path` unless real miles is importable
   (then real miles is used and nothing is installed); it returns whether it installed. It is
   called only inside the runner subprocess (`pinned_eval.agentic.runner`), never in a worker.
@@ -41,6 +42,8 @@ SURFACE: dict[str, str | None] = {
     "miles.rollout.generate_hub": None,
     "miles.rollout.generate_hub.single_turn": f"{_HERE}.single_turn",
     "miles.rollout.generate_hub.agentic_tool_call": f"{_HERE}.agentic_tool_call",
+    "miles.rollout.generate_hub.multi_turn": f"{_HERE}.multi_turn",
+    "miles.rollout.generate_utils.tool_call_utils": f"{_HERE}.tool_call_utils",
     "miles.rollout.rm_hub": f"{_HERE}.rm_hub",
 }
 
