@@ -7,9 +7,10 @@ by `EvalSuite`):
   `name`, or a mapping name -> fields), `delegate` (only empty: delegating a dataset to an
   outside evaluator is pinned-eval's external posture, a `CheckpointEvalFn` backend).
 - dataset and defaults keys map miles' names onto pinned-eval's (`n_samples_per_eval_prompt`,
-  `max_response_len`, `rm_type`, ...; pinned-eval's own names are accepted too). miles keys
-  pinned-eval does not implement (`tool_key`, `stop_token_ids`, `min_new_tokens`,
-  `custom_generate_function_path`) are accepted only when null/empty, so nothing set is lost.
+  `max_response_len`, `rm_type`, `custom_generate_function_path` -> `generate_function`,
+  `tool_key`, ...; pinned-eval's own names are accepted too). miles keys pinned-eval does not
+  implement (`stop_token_ids`, `min_new_tokens`) are accepted only when null/empty, so nothing
+  set is lost.
 - every refusal is a `ValueError` naming the key path, e.g. `eval.delegate: not supported`
   or `eval.datasets[1].rm_type: reward 'ifbench': not supported: ...`; a file that is not UTF-8
   names the file and line, a YAML syntax error names the file (and line).
@@ -23,8 +24,11 @@ by `EvalSuite`):
   `boxed_math` loads with a `MilesDivergenceWarning` (miles scores it 0 on every row).
 - pinned-eval's extension keys (`EXTENSION_KEYS`: `n_samples_per_prompt`, `max_new_tokens`,
   `reward`, `max_prompts`, `apply_chat_template`, `apply_chat_template_kwargs`, `system_prompt`,
-  and `rm_type: exact_match`) are refused with `strict_miles=True`, so a config that loads strictly
-  means the same to miles.
+  `generate_function`, miles' generate-function flags set per dataset (`generate_max_turns`,
+  `generate_tool_specs_path`, `generate_tool_call_parser`, `generate_execute_tool_function_path`,
+  `custom_agent_function_path`: on the
+  miles CLI they are flags, not eval-config keys) and `rm_type: exact_match`) are refused with
+  `strict_miles=True`, so a config that loads strictly means the same to miles.
 """
 
 from __future__ import annotations
@@ -68,13 +72,23 @@ MILES_KEYS = {
     "apply_chat_template": "apply_chat_template",
     "apply_chat_template_kwargs": "apply_chat_template_kwargs",
     "system_prompt": "system_prompt",
+    "custom_generate_function_path": "generate_function",  # miles' per-dataset generate function
+    "generate_function": "generate_function",
+    "tool_key": "tool_key",
+    # miles' generate-function CLI flags, accepted per dataset (pinned-eval extension keys)
+    "generate_max_turns": "generate_max_turns",
+    "generate_tool_specs_path": "generate_tool_specs_path",
+    "generate_tool_call_parser": "generate_tool_call_parser",
+    "custom_agent_function_path": "custom_agent_function_path",
+    "generate_execute_tool_function_path": "generate_execute_tool_function_path",
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
-UNSUPPORTED_UNLESS_EMPTY = ("tool_key", "stop_token_ids", "min_new_tokens", "custom_generate_function_path")
+UNSUPPORTED_UNLESS_EMPTY = ("stop_token_ids", "min_new_tokens")
 # pinned-eval's own keys (miles does not read them): refused under strict_miles
 EXTENSION_KEYS = tuple(k for k, f in MILES_KEYS.items() if k not in (
     "name", "path", "input_key", "label_key", "metadata_key", "metadata_overrides", "n_samples_per_eval_prompt",
-    "temperature", "top_p", "top_k", "max_response_len", "stop", "rm_type"))
+    "temperature", "top_p", "top_k", "max_response_len", "stop", "rm_type", "custom_generate_function_path",
+    "tool_key"))
 _ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_]\w*)(?:,[^}]*)?\}")
 _PLAIN_REF = re.compile(r"\$\{([A-Za-z_]\w*)\}")
 

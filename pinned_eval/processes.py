@@ -96,6 +96,25 @@ def _set_parent_death_signal() -> None:
         os._exit(127)
 
 
+def pipe_child_options(*, memory_bytes: int | None = None) -> dict[str, object]:
+    """Keyword arguments of `subprocess.Popen` / `asyncio.create_subprocess_exec` for a child this
+    process talks to over pipes (the agentic runner): its own session (PID = process-group id, so
+    `stop_groups([pid])` ends it and its children), a parent-death SIGKILL always, and with
+    `memory_bytes` an address-space limit (`RLIMIT_AS`), so a memory blow-up fails the child only."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    parent = os.getpid()
+
+    def before_exec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+            os._exit(127)
+        if memory_bytes is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    return {"start_new_session": True, "preexec_fn": before_exec}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -8,10 +8,11 @@ Contract of `PromptRenderer(tokenizer_dir).render(ds, sample) -> RenderedPrompt`
   prepended as one. The messages are rendered with the chat template of the tokenizer saved in
   `tokenizer_dir` (the pinned snapshot: its `tokenizer_config.json` / `chat_template.jinja`):
   `apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-  **ds.apply_chat_template_kwargs)`. The text is tokenized with `add_special_tokens=False` and
-  sent as `input_ids` (miles does the same: the template already holds any BOS, so the engine
-  must not add another). A template that fails to render, or a tokenizer without a template,
-  is a `PromptError` naming the dataset.
+  **ds.apply_chat_template_kwargs)`, plus `tools=<the row's tools>` when the row has tools
+  (miles' `tool_key`, `pinned_eval.datasets.loader`), as miles' `Dataset` renders them.
+  The text is tokenized with `add_special_tokens=False` and sent as `input_ids`
+  (miles does the same: the template already holds any BOS, so the engine must not add another).
+  A template that fails to render, or a tokenizer without a template, is a `PromptError` naming the dataset.
 - Tokenizers load lazily (only when a dataset needs the template) and are cached per snapshot
   path and tokenizer-file mtimes, so each pinned snapshot is read once per process.
 """
@@ -90,9 +91,10 @@ class PromptRenderer:
         tokenizer = self._tokenizer(ds)
         from jinja2 import TemplateError
 
+        tools = {"tools": sample.tools} if sample.tools is not None else {}
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **ds.apply_chat_template_kwargs
+                messages, tokenize=False, add_generation_prompt=True, **tools, **ds.apply_chat_template_kwargs
             )
         except (TemplateError, TypeError, ValueError, KeyError) as exc:  # syntax, undefined, raise_exception
             raise PromptError(f"{where}: the chat template failed to render: {type(exc).__name__}: {exc}") from exc

@@ -36,8 +36,10 @@ from pinned_eval.datasets.spec import (
     DATASET_NAME_PATTERN,
     ResolvedDataset,
     RewardName,
+    ToolCallParser,
 )
 from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
+from pinned_eval.plugins import ImportPath, is_import_path
 from pinned_eval.scoring.remote import RemoteRewardConfig
 from pinned_eval.scoring.rewards import REMOTE_REWARD, check_reward_name
 
@@ -107,6 +109,23 @@ class _SamplingFields(BaseModel):
     metadata_overrides: dict[str, Any] | None = Field(
         default=None, description="Keys set on every row's metadata (miles metadata_overrides)."
     )
+    generate_function: ImportPath | None = Field(
+        default=None, description="miles custom_generate_function_path (module.function); unset: single turn."
+    )
+    tool_key: str | None = Field(
+        default=None, min_length=1, description="Row key of the tool specs (miles tool_key; fallback 'tools')."
+    )
+    generate_max_turns: int | None = Field(default=None, ge=1, description="miles --generate-max-turns.")
+    generate_tool_specs_path: ImportPath | None = Field(default=None, description="miles --generate-tool-specs-path.")
+    generate_execute_tool_function_path: ImportPath | None = Field(
+        default=None, description="miles --generate-execute-tool-function-path."
+    )
+    generate_tool_call_parser: ToolCallParser | None = Field(
+        default=None, description="miles --generate-tool-call-parser (qwen25 | hermes)."
+    )
+    custom_agent_function_path: ImportPath | None = Field(
+        default=None, description="miles --custom-agent-function-path."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +185,21 @@ class SamplingFallbacks(BaseModel):
         default=None, description="Row key of a metadata object; None: every other column is metadata."
     )
     metadata_overrides: dict[str, Any] = Field(default_factory=dict, description="Keys set on every row's metadata.")
+    generate_function: ImportPath | None = Field(
+        default=None, description="miles --custom-generate-function-path: every dataset naming none uses it."
+    )
+    tool_key: str = Field(default="tools", min_length=1, description="miles --tool-key (default 'tools').")
+    generate_max_turns: int | None = Field(default=None, ge=1, description="miles --generate-max-turns.")
+    generate_tool_specs_path: ImportPath | None = Field(default=None, description="miles --generate-tool-specs-path.")
+    generate_execute_tool_function_path: ImportPath | None = Field(
+        default=None, description="miles --generate-execute-tool-function-path."
+    )
+    generate_tool_call_parser: ToolCallParser | None = Field(
+        default=None, description="miles --generate-tool-call-parser."
+    )
+    custom_agent_function_path: ImportPath | None = Field(
+        default=None, description="miles --custom-agent-function-path."
+    )
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)
@@ -279,6 +313,8 @@ class EvalSuite(BaseModel):
         strict_miles: bool = False,
         rm_type: str | None = None,
         custom_rm_path: str | None = None,
+        custom_generate_function_path: str | None = None,
+        check_imports: bool = True,
     ) -> EvalSuite:
         """Load miles' eval config: a file path, YAML/JSON text, or `base64:<payload>`
         (`pinned_eval.miles_config` says what is accepted and what is refused, by key path).
@@ -290,9 +326,22 @@ class EvalSuite(BaseModel):
         dataset that sets none (nor `eval.defaults`); with none at all the dataset is refused, as
         miles raises for it (no silent `exact_match`). `custom_rm_path` is miles' `--custom-rm-path`
         (`module.function`, e.g. an `async (args, sample)` function): it scores every dataset,
-        overriding their `rm_type` as in miles.
+        overriding their `rm_type` as in miles. `custom_generate_function_path` is miles'
+        `--custom-generate-function-path`: the generate function of every dataset that names none.
+        With `check_imports` (the default), every generate function of the suite is imported in a
+        throwaway subprocess (`pinned_eval.agentic.imports.check_generate_imports`); a module that
+        cannot be imported, or one importing a miles module outside the compatible surface, is
+        refused naming the module.
         """
         cfg = parse_miles_eval_config(path_or_text, variables=variables, strict_miles=strict_miles)
+        if custom_generate_function_path is not None:
+            if not is_import_path(custom_generate_function_path):
+                raise ValueError(
+                    f"--custom-generate-function-path: {custom_generate_function_path!r} is not 'module.function'"
+                )
+            fallbacks = (fallbacks or SamplingFallbacks()).model_copy(
+                update={"generate_function": custom_generate_function_path}
+            )
         datasets = tuple(_from_yaml(DatasetSpec, w, d) for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True))
         if custom_rm_path is not None:
             reward = check_reward_name(f"custom:{custom_rm_path}")
@@ -307,7 +356,7 @@ class EvalSuite(BaseModel):
             if rm_type is not None:
                 cfg.defaults["reward"] = check_reward_name(rm_type, strict_miles=strict_miles)
         try:
-            return cls(
+            suite = cls(
                 datasets=datasets,
                 defaults=_from_yaml(SamplingDefaults, cfg.defaults_path, cfg.defaults),
                 fallbacks=fallbacks or SamplingFallbacks(),
@@ -317,6 +366,11 @@ class EvalSuite(BaseModel):
             )
         except ValidationError as exc:
             raise ValueError(f"eval config: {exc}") from exc
+        if check_imports:
+            from pinned_eval.agentic.imports import check_generate_imports
+
+            check_generate_imports(suite.resolved(), cwd=suite.base_dir)
+        return suite
 
 
 def _from_yaml(model: type[_M], where: str, fields: dict[str, Any]) -> _M:

@@ -9,6 +9,10 @@ Contract:
 - `metadata`: with `metadata_key`, the row's object under that key (a mapping, or a JSON object
   string as Parquet exports often hold; null is {}; the key must exist); without it, every other column of
   the row, unchanged. `metadata_overrides` are then set on it (miles `inject_metadata`).
+- tools (miles `tool_key`, default `tools`): when the row has that key and it is not null, its
+  value (a list of OpenAI tool specs, or a JSON string of one) becomes `EvalSample.tools` and
+  `metadata["tools"]`, as miles' `Dataset` does; the chat template then receives them
+  (`pinned_eval.prompts`). A value that is not a list is a `DatasetError` naming the key.
 - Any bad row raises `DatasetError` naming the file, the JSONL line (1-based) or Parquet row
   (0-based), and the offending key. Nothing is skipped silently. A JSONL line that is not UTF-8
   is such a bad row (named by line and byte column), as is JSON that is not.
@@ -41,6 +45,7 @@ class EvalSample:
     prompt: str | list[dict[str, Any]]
     label: str | int | float
     metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 def load_dataset(spec: ResolvedDataset) -> list[EvalSample]:
@@ -121,7 +126,27 @@ def _to_sample(index: int, where: str, row: Any, spec: ResolvedDataset) -> EvalS
     if isinstance(label, bool) or not isinstance(label, str | int | float):
         raise DatasetError(f"{where}: key {spec.label_key!r} must be a string or a number, got {label!r:.80}")
     metadata = _metadata(where, row, spec)
-    return EvalSample(index=index, prompt=prompt, label=label, metadata=metadata)
+    tools = _tools(where, row, spec.tool_key)
+    if tools is not None:
+        metadata["tools"] = tools
+    return EvalSample(index=index, prompt=prompt, label=label, metadata=metadata, tools=tools)
+
+
+def _tools(where: str, row: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
+    raw = row.get(key)
+    if raw is None:
+        return None
+    value = raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = None
+    if hasattr(value, "tolist"):  # a numpy array read from Parquet
+        value = value.tolist()
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DatasetError(f"{where}: key {key!r} (tool_key) must be a list of tool specs, got {raw!r:.80}")
+    return [dict(t) for t in value]
 
 
 def _metadata(where: str, row: dict[str, Any], spec: ResolvedDataset) -> dict[str, Any]:

@@ -10,19 +10,30 @@ This module imports nothing of the suite (no circle: the suite imports it).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from pinned_eval.plugins import ImportPath
 from pinned_eval.scoring.rewards import check_reward_name
 
-__all__ = ["BUILTIN_DIR", "BUILTIN_PREFIX", "DATASET_NAME_PATTERN", "ResolvedDataset", "RewardName"]
+__all__ = [
+    "BUILTIN_DIR",
+    "BUILTIN_PREFIX",
+    "DATASET_NAME_PATTERN",
+    "TOOL_CALL_PARSERS",
+    "ResolvedDataset",
+    "RewardName",
+    "ToolCallParser",
+]
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 
 RewardName = Annotated[str, AfterValidator(check_reward_name)]
+TOOL_CALL_PARSERS = ("qwen25", "hermes")
+ToolCallParser = Literal["qwen25", "hermes"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -49,6 +60,28 @@ class ResolvedDataset(BaseModel):
     metadata_key: str | None = Field(description="Row key of a metadata object, or None (other columns).")
     metadata_overrides: dict[str, Any] = Field(description="Keys set on every row's metadata.")
     every_n_steps: int | None = Field(default=None, ge=1, description="Cadence; None: every point.")
+    # agentic (miles generate functions); defaults keep a plain single-turn dataset unchanged
+    generate_function: ImportPath | None = Field(
+        default=None, description="miles custom_generate_function_path; None: single turn."
+    )
+    tool_key: str = Field(default="tools", min_length=1, description="Row key of the tool specs (miles tool_key).")
+    generate_max_turns: int | None = Field(default=None, ge=1, description="miles --generate-max-turns.")
+    generate_tool_specs_path: ImportPath | None = Field(default=None, description="miles --generate-tool-specs-path.")
+    generate_execute_tool_function_path: ImportPath | None = Field(
+        default=None, description="miles --generate-execute-tool-function-path."
+    )
+    generate_tool_call_parser: ToolCallParser | None = Field(
+        default=None, description="miles --generate-tool-call-parser."
+    )
+    custom_agent_function_path: ImportPath | None = Field(
+        default=None, description="miles --custom-agent-function-path."
+    )
+
+    @property
+    def rollout(self) -> str:
+        """The rollout kind that produces this dataset's samples: `function` when it names a
+        generate function, else `single_turn`."""
+        return "function" if self.generate_function is not None else "single_turn"
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang native `/generate` sampling_params for this dataset."""

@@ -8,18 +8,19 @@ version check, abort retries, the concurrency bound and accounting exist once, f
 Contract:
 - `Rollout`: a kind with a `name` and `open(session, datasets, rows)`, an async context that
   prepares the kind for those datasets (single turn: renders every prompt) and yields `produce`,
-  `async (dataset, row, j) -> Sample`; whatever it started ends when the context exits. Every
+  `async (dataset, row, j) -> Sample | list[Sample]` (a list: a miles generate function that
+  returned several samples, each an eval sample as in miles); whatever it started ends when the context exits. Every
   model call goes through `session.generate`;
 - `ROLLOUTS`: the registry, by name; `register_rollout` adds one explicitly, and a name
   registered twice raises `ValueError`. `single_turn` is registered here;
-- `rollout_kind(ds)`: the kind a dataset uses; every dataset is `single_turn` today (a dataset
-  naming a generate function will choose `function`);
+- `rollout_kind(ds)`: the kind a dataset uses, `ds.rollout`: `function` when it names a miles
+  generate function (`pinned_eval.rollout.function`), else `single_turn`;
 - `run_rollouts(session, datasets, rows, on_start=, on_sample=)`: the one loop. It groups the
   datasets by kind and opens each kind once (all of them before the first request), then runs
   every (dataset, row, j), j < `n_samples_per_prompt`, concurrently (the session bounds requests
-  in flight) and returns the samples in that order (dataset, row, j). `on_start(total)` is called
-  once every kind is open, `on_sample(sample)` as each sample ends. A failing sample fails the
-  call (the caller maps errors to skips: `pinned_eval.skip_mapping.fleet_skips`).
+  in flight) and returns the samples in that order (dataset, row, j), a list flattened in
+  place. `on_start(total)` is called once every kind is open, `on_sample(sample)` as each sample
+  ends. A failing sample fails the call (the caller maps errors to skips: `pinned_eval.skip_mapping.fleet_skips`).
 This package imports no Prefect.
 """
 
@@ -32,6 +33,7 @@ from typing import Protocol
 
 from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.datasets.spec import ResolvedDataset
+from pinned_eval.rollout.function import FunctionRollout
 from pinned_eval.rollout.session import PointSession, SessionCounters
 from pinned_eval.rollout.single_turn import SingleTurn
 from pinned_eval.rollout.types import Produce, Sample, Usage
@@ -75,11 +77,13 @@ def register_rollout(rollout: Rollout) -> Rollout:
 
 
 register_rollout(SingleTurn())
+register_rollout(FunctionRollout())
 
 
 def rollout_kind(ds: ResolvedDataset) -> str:
-    """The registered kind that produces `ds`'s samples (`single_turn` for every dataset today)."""
-    return SingleTurn.name
+    """The registered kind that produces `ds`'s samples: `ds.rollout` (`function` when the dataset
+    names a generate function, else `single_turn`)."""
+    return ds.rollout
 
 
 async def run_rollouts(
@@ -102,10 +106,12 @@ async def run_rollouts(
         if on_start is not None:
             on_start(len(work))
 
-        async def one(ds: ResolvedDataset, s: EvalSample, j: int) -> Sample:
-            sample = await produce[rollout_kind(ds)](ds, s, j)
+        async def one(ds: ResolvedDataset, s: EvalSample, j: int) -> list[Sample]:
+            out = await produce[rollout_kind(ds)](ds, s, j)
+            samples = out if isinstance(out, list) else [out]
             if on_sample is not None:
-                on_sample(sample)
-            return sample
+                for sample in samples:
+                    on_sample(sample)
+            return samples
 
-        return list(await asyncio.gather(*(one(ds, s, j) for ds, s, j in work)))
+        return [x for group in await asyncio.gather(*(one(ds, s, j) for ds, s, j in work)) for x in group]

@@ -62,5 +62,6 @@ class Sample(BaseModel):
     usage: Usage | None = None
 
 
-# one rollout of (dataset, row, sample index j) → its Sample; what a rollout kind's `open` yields
-Produce = Callable[["ResolvedDataset", "EvalSample", int], Awaitable[Sample]]
+# one rollout of (dataset, row, sample index j) → its Sample (or several: a miles generate function
+# returning list[Sample]); what a rollout kind's `open` yields
+Produce = Callable[["ResolvedDataset", "EvalSample", int], Awaitable["Sample | list[Sample]"]]

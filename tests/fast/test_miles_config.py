@@ -60,9 +60,11 @@ def test_delegate_section_is_refused_naming_its_key() -> None:
     ("edit", "message"),
     [
         ({"rm_type": "ifbench"}, r"eval\.datasets\[1\]\.rm_type: reward 'ifbench': not supported: IFBench"),
-        ({"tool_key": "tools"}, r"eval\.datasets\[1\]\.tool_key: not supported"),
+        ({"tool_key": ""}, r"eval\.datasets\[1\]\.tool_key: String should have at least 1"),
         ({"stop_token_ids": [151643]}, r"eval\.datasets\[1\]\.stop_token_ids: not supported"),
-        ({"custom_generate_function_path": "my.gen"}, r"eval\.datasets\[1\]\.custom_generate_function_path"),
+        ({"custom_generate_function_path": "my gen"},
+         r"eval\.datasets\[1\]\.custom_generate_function_path/generate_function: String should match pattern"),
+        ({"generate_tool_call_parser": "pythonic"}, r"eval\.datasets\[1\]\.generate_tool_call_parser: Input should be"),
         ({"prompt_template": "x"}, r"eval\.datasets\[1\]\.prompt_template: not supported"),
         ({"apply_chat_template_kwargs": "thinking"}, r"^eval\.datasets\[1\]\.apply_chat_template_kwargs: .*dictionary"),
         ({"metadata_key": ""}, r"^eval\.datasets\[1\]\.metadata_key: String should have at least 1"),
@@ -87,8 +89,8 @@ def test_unsupported_dataset_keys_are_refused_by_path(edit: dict, message: str) 
         ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": {"url": "http://x"}}}, r"^eval\.delegate: not"),
         ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": ["skills"]}}, r"^eval\.delegate: not"),
         ({"eval": {"datasets": {"a": {"path": "/a", "temprature": 0.3}}}}, r"^eval\.datasets\.a\.temprature: not"),
-        ({"eval": {"defaults": {"n_samples_per_eval_prompt": 4, "tool_key": "t"}, "datasets": {"a": {"path": "/a"}}}},
-         r"^eval\.defaults\.tool_key: not supported"),
+        ({"eval": {"defaults": {"rm_type": "math", "tool_key": 3}, "datasets": {"a": {"path": "/a"}}}},
+         r"^eval\.defaults\.tool_key: Input should be a valid string"),
     ],
 )  # fmt: skip
 def test_unsupported_sections_are_refused_by_path(cfg: dict, message: str) -> None:

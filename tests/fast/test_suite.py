@@ -219,8 +219,8 @@ def test_miles_yaml_accepts_json_and_custom_reward() -> None:
         ("- a\n- b\n", "root must be a mapping"),
         ("eval:\n  datasets:\n    - path: a.jsonl\n", r"eval\.datasets\[0\]\.name: required"),
         (
-            "eval:\n  datasets:\n    - {name: a, path: a.jsonl, tool_key: tools}\n",
-            r"eval\.datasets\[0\]\.tool_key",
+            "eval:\n  datasets:\n    - {name: a, path: a.jsonl, generate_max_turns: 0}\n",
+            r"eval\.datasets\[0\]\.generate_max_turns",
         ),
         (
             "eval:\n  datasets:\n    - {name: a, path: a.jsonl, rm_type: ifbench}\n",

@@ -1,0 +1,188 @@
+"""The `function` rollout kind: a miles generate function per sample, run in a runner subprocess
+against the point's gateway (docs/agentic.md).
+
+Contract:
+- `open` starts the point's `PointGateway` (the only model address user code sees) and one
+  `AgentRunner` (`pinned_eval.agentic`) for the point; both end when the context exits (the
+  runner's process group is stopped: nothing of user code stays running).
+- the prompt handed to the function is miles' `Dataset` prompt: with `apply_chat_template` the
+  rendered text (tools included, `pinned_eval.prompts`), otherwise the row's prompt as it is (a
+  string or a message list); `metadata` holds the row's tools; `label` its JSON value.
+- miles' `args` (`pinned_eval.agentic.runner.DEFAULT_ARGS`): the router is the gateway; the
+  dataset's reward as `rm_type` / `custom_rm_path`; `hf_checkpoint` the pinned snapshot; the
+  dataset's generate-function flags (`generate_max_turns`, ...). `sampling_params` are the
+  dataset's (`single_turn.sampling`, seed i * 1000 + j), plus miles' `no_stop_trim` and
+  `spaces_between_special_tokens`. The sample's routing key is `<dataset>-<i>-<j>`, the
+  gateway's per-sample key.
+- `produce` sends one sample and awaits its `Sample`s: several when the function returns a list
+  (multi-agent), each kept as an eval sample as miles does. A reward set during generation is
+  kept; the dataset's reward scores the others in the runner (ABORTED ones get none); `status`
+  is miles' status name and `finish_reason` the one it implies (truncated -> `length`). Each
+  sample gets its own gateway session (`session_url`, the agent function's `base_url`); the
+  gateway's transcript of the sample (calls made in its session or naming its routing key) is
+  kept as `messages` and counted as `turns`; an agent function's sample (miles' hub
+  `agentic_tool_call`) takes its response, status and weight versions from the last reply there.
+- the gateway's `violation` (a reply of another weight version -> `pin_violation`, a budget ->
+  `agent_budget`) fails the point first; any failure of user code (an exception, no result within
+  `sample_timeout_s`, the runner dying, e.g. of `memory_bytes`, an output flood) is the skip
+  `agent_error` naming the dataset, the sample index and the exception type.
+This module imports no Prefect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from pinned_eval.agentic.client import AgentError, AgentRunner
+from pinned_eval.datasets.loader import EvalSample
+from pinned_eval.datasets.spec import ResolvedDataset
+from pinned_eval.prompts import PromptRenderer
+from pinned_eval.rollout.session import PointSession
+from pinned_eval.rollout.single_turn import sampling
+from pinned_eval.rollout.types import Sample, Usage
+from pinned_eval.skips import EvalSkipped, SkipReason
+
+if TYPE_CHECKING:  # the gateway imports the rollout package (the session): imported where used
+    from pinned_eval.gateway import GatewayLimits
+
+__all__ = ["FINISH_OF_STATUS", "FunctionRollout", "dataset_args"]
+
+FINISH_OF_STATUS = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "failed"}
+
+
+def dataset_args(ds: ResolvedDataset) -> dict[str, Any]:
+    """miles' `args` entries of one dataset (reward and generate-function flags)."""
+    custom = ds.reward.removeprefix("custom:") if ds.reward.startswith("custom:") else None
+    out: dict[str, Any] = {
+        "rm_type": None if custom else ds.reward,
+        "custom_rm_path": custom,
+        "apply_chat_template": ds.apply_chat_template,
+        "apply_chat_template_kwargs": dict(ds.apply_chat_template_kwargs),
+        "rollout_max_response_len": ds.max_new_tokens,
+        "rollout_temperature": ds.temperature,
+        "rollout_top_p": ds.top_p,
+        "rollout_top_k": ds.top_k,
+        "rollout_stop": list(ds.stop) or None,
+        "n_samples_per_eval_prompt": ds.n_samples_per_prompt,
+    }
+    for flag in ("generate_max_turns", "generate_tool_specs_path", "generate_tool_call_parser",
+                 "generate_execute_tool_function_path", "custom_agent_function_path"):
+        if getattr(ds, flag) is not None:
+            out[flag] = getattr(ds, flag)
+    return out
+
+
+class FunctionRollout:
+    """miles generate functions (see the module docstring)."""
+
+    name = "function"
+
+    def __init__(
+        self,
+        limits: GatewayLimits | None = None,
+        *,
+        sample_timeout_s: float = 600.0,
+        memory_bytes: int | None = 4 * 1024**3,
+        python_path: Sequence[str] = (),
+    ) -> None:
+        from pinned_eval.gateway import GatewayLimits
+
+        self.limits = limits or GatewayLimits()
+        self.sample_timeout_s = sample_timeout_s
+        self.memory_bytes = memory_bytes
+        self.python_path = list(python_path)
+
+    @asynccontextmanager
+    async def open(
+        self,
+        session: PointSession,
+        datasets: Sequence[ResolvedDataset],
+        rows: Mapping[str, Sequence[EvalSample]],
+    ) -> AsyncIterator[Any]:
+        from pinned_eval.gateway import PointGateway
+
+        renderer = PromptRenderer(session.tokenizer_dir)
+        prompts = {
+            (ds.name, s.index): renderer.render(ds, s).text if ds.apply_chat_template else s.prompt
+            for ds in datasets for s in rows[ds.name]
+        }
+        async with PointGateway(session, self.limits) as gateway:
+            url = urlsplit(gateway.base_url)
+            init = {
+                "miles_args": {"sglang_router_ip": url.hostname, "sglang_router_port": url.port,
+                               "hf_checkpoint": session.tokenizer_dir},
+                "gateway": {"base_url": gateway.base_url, "token": gateway.token},
+                "python_path": self.python_path,
+            }
+            async with AgentRunner(init, memory_bytes=self.memory_bytes) as runner:
+
+                async def produce(ds: ResolvedDataset, row: EvalSample, j: int) -> list[Sample]:
+                    key = f"{ds.name}-{row.index}-{j}"
+                    params = {**sampling(ds, seed=row.index * 1000 + j), "no_stop_trim": True,
+                              "spaces_between_special_tokens": False}
+                    request = {
+                        "function": ds.generate_function,
+                        "args": dataset_args(ds),
+                        "sample": {
+                            "index": row.index * ds.n_samples_per_prompt + j,  # miles: prompt x sample
+                            "prompt": prompts[ds.name, row.index],
+                            "label": row.label,
+                            "metadata": dict(row.metadata),
+                            "routing_key": key,
+                            "session_url": gateway.open_sample(key),
+                        },
+                        "sampling_params": params,
+                        "reward": ds.reward,
+                    }
+                    try:
+                        records = await runner.generate(request, self.sample_timeout_s)
+                    except AgentError as exc:
+                        if gateway.violation is not None:
+                            raise gateway.violation from exc
+                        raise EvalSkipped(
+                            SkipReason.AGENT_ERROR,
+                            f"dataset {ds.name!r} sample {row.index} (j={j}): {exc.type}: {exc.message}"[:1000],
+                        ) from None
+                    if gateway.violation is not None:
+                        raise gateway.violation
+                    return [_sample(ds, row, j, rec, gateway.transcript(key)) for rec in records]
+
+                yield produce
+
+
+def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], calls: list[dict[str, Any]]) -> Sample:
+    metadata = dict(rec.get("metadata") or {})
+    if metadata.pop("from_transcript", False) and calls:  # an agent function: what the fleet answered
+        last = calls[-1]
+        rec = {**rec, "response": last.get("text") or "", "response_length": last.get("completion_tokens") or 0,
+               "status": "truncated" if last.get("finish_reason") == "length" else "completed",
+               "weight_versions": [c["weight_version"] for c in calls if c.get("weight_version")]}
+    reward = rec.get("reward")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+        raise EvalSkipped(
+            SkipReason.AGENT_ERROR,
+            f"dataset {ds.name!r} sample {row.index} (j={j}): TypeError: reward {reward!r:.80} is not a number",
+        )
+    status = rec.get("status")
+    versions = rec.get("weight_versions") or []
+    prompt = rec.get("prompt")
+    return Sample(
+        dataset=ds.name,
+        prompt_index=row.index,
+        sample_index=j,
+        prompt=prompt if isinstance(prompt, str) else str(prompt),
+        label=row.label,
+        metadata=metadata,
+        response=rec.get("response") or "",
+        response_len=int(rec.get("response_length") or 0),
+        finish_reason=FINISH_OF_STATUS.get(str(status)),
+        weight_version=versions[-1] if versions else None,
+        status=status,
+        reward=None if reward is None else float(reward),
+        turns=len(calls),
+        messages=calls or None,
+        usage=Usage(requests=len(calls)),
+    )
