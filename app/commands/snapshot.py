@@ -35,6 +35,8 @@ from pinned_eval.snapshot.layout import MARKER, Manifest
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.trusted_paths import UntrustedPathError, claim_new_dir
 
+TINY_CONTEXT = 4096  # > a prompt + the suite's default max_new_tokens (1024)
+
 app = typer.Typer(help="Check and list HF snapshots (local or s3://).", no_args_is_help=True)
 
 EndpointOpt = Annotated[
@@ -153,8 +155,14 @@ def tiny_model(
     arch: Annotated[str, typer.Option(help="llama, qwen2 or qwen3.")] = "llama",
     seed: Annotated[int, typer.Option(help="Weight init seed.")] = 0,
     max_shard_size: Annotated[str | None, typer.Option(help="Shard the weights, e.g. 100KB.")] = None,
+    context_length: Annotated[
+        int, typer.Option(min=64, max=1 << 20, help="The model's context (max_position_embeddings).")
+    ] = TINY_CONTEXT,
 ) -> None:
-    """Write a tiny HF causal LM + tokenizer, fully offline, marked complete (usable as an hf source)."""
+    """Write a tiny HF causal LM + tokenizer, fully offline, marked complete (usable as an hf source).
+
+    Its context (default 4096) holds a prompt plus the suite's default `max_new_tokens` (1024), so
+    the README's suite examples measure on it as saved."""
     if arch not in ("llama", "qwen2", "qwen3"):
         refuse(f"--arch must be llama, qwen2 or qwen3, got {arch!r}")
     try:
@@ -165,7 +173,9 @@ def tiny_model(
 
     (out / MARKER).unlink(missing_ok=True)  # rewriting the files: an old marker would vouch for them
     try:
-        path = make_tiny_model(out, arch=arch, seed=seed, max_shard_size=max_shard_size)  # type: ignore[arg-type]
+        path = make_tiny_model(
+            out, arch=arch, seed=seed, max_shard_size=max_shard_size, max_position_embeddings=context_length  # type: ignore[arg-type]
+        )
     except OSError as exc:  # an unwritable or special --out (/proc/self, a file): one line naming the flag
         fail(f"--out: {in_words(exc)}")
     result, _ = mark_complete(path)

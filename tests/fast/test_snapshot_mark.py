@@ -74,3 +74,22 @@ def test_tiny_model_writes_a_marked_snapshot(tmp_path: Path) -> None:
     assert (check.complete, check.detail) == (True, "complete: 1 shards, 460032 tensor bytes")
     code, out = cli("tiny-model", "--out", str(out_dir), "--arch", "gpt2")
     assert (code, out.strip()) == (2, "error: --arch must be llama, qwen2 or qwen3, got 'gpt2'")
+
+
+def test_the_cli_tiny_model_holds_a_prompt_plus_the_suites_default_max_new_tokens(tmp_path: Path) -> None:
+    """The README's one-at-a-time suite (default `max_new_tokens`) measures on `tiny-model`'s output:
+    its context is 4096, so a prompt of up to 3072 tokens plus 1024 new ones fits (the engine refuses
+    prompt + max_new_tokens > context with a 400)."""
+    import json
+
+    from pinned_eval.suite import SamplingFallbacks
+
+    out_dir = tmp_path / "tiny"
+    code, out = cli("tiny-model", "--out", str(out_dir))
+    assert code == 0, out
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4096
+    assert SamplingFallbacks.model_fields["max_new_tokens"].default == 1024
+    code, out = cli("tiny-model", "--out", str(tmp_path / "short"), "--context-length", "256")
+    assert code == 0, out
+    assert json.loads((tmp_path / "short" / "config.json").read_text())["max_position_embeddings"] == 256
