@@ -42,9 +42,7 @@ def score_generations(
     out, samples, by_sample = {}, {}, {}
     for ds in datasets:
         gens = by_ds[ds.name]
-        items = [RewardItem(g.prompt, g.response, g.label, g.metadata) for g in gens]
-        with fleet_skips(f"dataset {ds.name!r}"):  # a scoring service that gives no reward → reward_unavailable
-            rewards = asyncio.run(score_responses(ds.reward, items, suite.remote_reward, suite.miles_args(ds)))
+        rewards = _rewards(gens, ds, suite)
         scored = [
             ScoredSample(
                 prompt_index=g.prompt_index,
@@ -67,6 +65,21 @@ def score_generations(
             expected_version=weight_version,
         )
     return out, samples, by_sample
+
+
+def _rewards(gens: list[Generation], ds: ResolvedDataset, suite: EvalSuite) -> list[float | None]:
+    """miles' rule (generate_and_rm): a reward the rollout set (a generate function's) is kept; the
+    dataset's reward scores the rest, except ABORTED samples, which get none."""
+    rewards = [g.reward for g in gens]
+    todo = [i for i, g in enumerate(gens) if g.reward is None and g.status != "aborted"]
+    if not todo:
+        return rewards
+    items = [RewardItem(gens[i].prompt, gens[i].response, gens[i].label, gens[i].metadata) for i in todo]
+    with fleet_skips(f"dataset {ds.name!r}"):  # a scoring service that gives no reward → reward_unavailable
+        scored = asyncio.run(score_responses(ds.reward, items, suite.remote_reward, suite.miles_args(ds)))
+    for i, reward in zip(todo, scored, strict=True):
+        rewards[i] = reward
+    return rewards
 
 
 @task(cache_policy=NO_CACHE, task_run_name="score")
