@@ -91,7 +91,7 @@ def ensure_alerts_in(env: dict[str, str], block: str = ALERTS_BLOCK) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "app.automations", "--block", block],
         env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     if out.returncode != 0:
         raise RuntimeError(f"alert automations failed:\n{out.stdout}\n{out.stderr}")
     return out.stdout.strip()

@@ -61,7 +61,7 @@ def spec_errors(exc: ValidationError) -> SpecError:
 def validate_name(name: str) -> str:
     if not BLOCK_NAME.fullmatch(name):
         raise SpecError("name", f"{name!r} is not a block name: lowercase letters, digits and dashes, "
-                                "starting with a letter or digit (e.g. default, exp42)")  # fmt: skip
+                                "starting with a letter or digit (e.g. default, exp42)")
     return name
 
 
@@ -106,7 +106,7 @@ class SuiteSpec(_Spec):
         pairs = {"reward": self.reward, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                  "n_samples_per_prompt": self.samples_per_prompt, "max_prompts": self.max_prompts,
                  "input_key": self.input_key, "label_key": self.label_key, "stop": tuple(self.stop) or None,
-                 "apply_chat_template": self.chat_template, "system_prompt": self.system_prompt}  # fmt: skip
+                 "apply_chat_template": self.chat_template, "system_prompt": self.system_prompt}
         return {k: v for k, v in pairs.items() if v is not None}
 
     def build(self, base: Path) -> Block:
@@ -116,21 +116,21 @@ class SuiteSpec(_Spec):
         flags = {"reward": "reward", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
                  "n_samples_per_prompt": "samples_per_prompt", "max_prompts": "max_prompts", "input_key": "input_key",
                  "label_key": "label_key", "stop": "stop", "apply_chat_template": "chat_template",
-                 "system_prompt": "system_prompt"}  # fmt: skip
+                 "system_prompt": "system_prompt"}
         sampling = self._sampling()
         if (self.from_yaml is None) == (not self.dataset):
             raise SpecError("dataset", "give the datasets either as --dataset NAME=PATH (repeatable) or in a "
-                                       "miles-style eval YAML (--from-yaml FILE), not both")  # fmt: skip
+                                       "miles-style eval YAML (--from-yaml FILE), not both")
         if self.from_yaml is not None:
             if sampling:
                 raise SpecError(flags[next(iter(sampling))], "set it in the eval YAML (eval.defaults or a dataset), "
-                                                             "not next to --from-yaml")  # fmt: skip
+                                                             "not next to --from-yaml")
             path = Path(_abs(base, self.from_yaml))
             if not path.is_file():
                 raise SpecError("from_yaml", f"{path}: no such file")
             try:
                 suite = EvalSuite.from_miles_yaml(path, variables=self.set, strict_miles=self.strict_miles,
-                                                  rm_type=self.rm_type, pass_at_k=self.pass_at_k)  # fmt: skip
+                                                  rm_type=self.rm_type, pass_at_k=self.pass_at_k)
             except ValueError as exc:  # a YAML error names the file already; a key error gets it here
                 raise SpecError("from_yaml", str(exc) if str(path) in str(exc) else f"{path}: {exc}") from exc
         else:
@@ -146,7 +146,7 @@ class SuiteSpec(_Spec):
                     datasets.append(DatasetSpec(name=name, path=raw if raw.startswith("builtin:") else _abs(base, raw)))
                 except ValidationError as exc:
                     raise SpecError(f"dataset[{i}]", f"{pair!r}: dataset name {name!r}: letters, digits, '_', '.' "
-                                                     "and '-', starting with a letter or digit") from exc  # fmt: skip
+                                                     "and '-', starting with a letter or digit") from exc
             try:
                 defaults = SamplingDefaults(**sampling)
             except ValidationError as exc:
@@ -159,7 +159,7 @@ class SuiteSpec(_Spec):
         for ds in suite.resolved():
             if not ds.path.is_file():
                 raise SpecError("dataset" if self.dataset else "from_yaml",
-                                f"dataset {ds.name!r}: {ds.path}: no such file")  # fmt: skip
+                                f"dataset {ds.name!r}: {ds.path}: no such file")
         if self.point_timeout:
             return EvalSuiteBlock(suite=suite, point_timeout_seconds=self.point_timeout)
         return EvalSuiteBlock(suite=suite)
@@ -202,16 +202,16 @@ class FleetSpec(_Spec):
 
         if bool(self.attach) == self.launch:
             raise SpecError("attach", "give --attach ENGINE_URL (repeatable, with --router URL) for running "
-                                      "engines, or --launch for a fleet `pinned-eval fleet up` starts")  # fmt: skip
+                                      "engines, or --launch for a fleet `pinned-eval fleet up` starts")
         lock = self.lock or name
         if not BLOCK_NAME.fullmatch(lock):
             raise SpecError("lock", f"{lock!r}: lowercase letters, digits and dashes (it names the pin lock "
-                                    "fleet-<lock>)")  # fmt: skip
+                                    "fleet-<lock>)")
         common: dict[str, Any] = {
             "name": lock, "request_concurrency": self.request_concurrency, "load_timeout_s": self.load_timeout,
             "lora_mode": self.lora_mode, "api_key": _key_file("api_key_file", self.api_key_file),
             "admin_api_key": _key_file("admin_api_key_file", self.admin_api_key_file),
-        }  # fmt: skip
+        }
         if self.attach:
             for key in ("state_file", "model_path"):
                 if getattr(self, key) is not None:
@@ -221,14 +221,14 @@ class FleetSpec(_Spec):
             for i, url in enumerate([*self.attach, self.router]):
                 if not url.startswith(("http://", "https://")):
                     raise SpecError("router" if i == len(self.attach) else f"attach[{i}]", f"{url!r} is not an "
-                                    "http(s):// URL")  # fmt: skip
+                                    "http(s):// URL")
             return FleetBlock(mode="attach", engine_urls=list(self.attach), router_url=self.router, **common)
         if self.router:
             raise SpecError("router", "applies to --attach only (a launched fleet's router is in its state file)")
         state = _abs(base, self.state_file) if self.state_file else str(default_state_file().resolve())
         model = _abs(base, self.model_path) if self.model_path else None
         return FleetBlock(mode="launch", state_file=state, model_path=model, engines=self.engines,
-                          backend=self.backend, gpus_per_engine=self.gpus_per_engine, **common)  # fmt: skip
+                          backend=self.backend, gpus_per_engine=self.gpus_per_engine, **common)
 
 
 class StagingSpec(_Spec):
@@ -254,13 +254,13 @@ class StagingSpec(_Spec):
             if missing:
                 raise SpecError("s3_keys_from_env", f"{' and '.join(missing)} not set in this environment")
             keys = {"aws_access_key_id": SecretStr(os.environ["AWS_ACCESS_KEY_ID"]),
-                    "aws_secret_access_key": SecretStr(os.environ["AWS_SECRET_ACCESS_KEY"])}  # fmt: skip
+                    "aws_secret_access_key": SecretStr(os.environ["AWS_SECRET_ACCESS_KEY"])}
         cache_max = parse_size("cache_max_size", self.cache_max_size) if self.cache_max_size else None
         return StagingBlock(
             root=_abs(base, self.root), source_roots=[_abs(base, r) for r in self.source_root],
             keep_snapshots=self.keep, endpoint_url=self.endpoint_url, region_name=self.region,
             cache_dir=_abs(base, self.cache_dir) if self.cache_dir else None, cache_max_bytes=cache_max, **keys,
-        )  # fmt: skip
+        )
 
 
 class SinksSpec(_Spec):
@@ -281,14 +281,14 @@ class SinksSpec(_Spec):
 
         if self.wandb_writer == "shared" and self.wandb_mode != "online":
             raise SpecError("wandb_writer", "'shared' writes into the live training run: it needs "
-                                            "--wandb-mode online")  # fmt: skip
+                                            "--wandb-mode online")
         return SinksBlock(
             jsonl_path=_abs(base, self.jsonl) if self.jsonl else None, wandb_project=self.wandb_project,
             wandb_entity=self.wandb_entity, wandb_run_id=self.wandb_run_id, wandb_writer=self.wandb_writer,
             wandb_mode=self.wandb_mode, wandb_dir=_abs(base, self.wandb_dir) if self.wandb_dir else None,
             results_root=_abs(base, self.results_root) if self.results_root else None,
             results_endpoint_url=self.results_endpoint_url,
-        )  # fmt: skip
+        )
 
 
 SPECS: dict[str, type[_Spec]] = {"suite": SuiteSpec, "fleet": FleetSpec, "staging": StagingSpec, "sinks": SinksSpec}

@@ -42,7 +42,7 @@ def private_dir(path: Path) -> Path:
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise PermissionError(f"{path}: must be a directory owned by uid {os.geteuid()}, not a symlink "
-                              "or another user's")  # fmt: skip
+                              "or another user's")
     if st.st_mode & 0o077:
         path.chmod(0o700)
     return path

@@ -134,9 +134,9 @@ def comparison_html(step_a: int, step_b: int, flips: list[DatasetFlips]) -> str:
     parts = [f"<h2 id='compare'>Step {step_a} (A) vs step {step_b} (B): examples that flipped</h2>"]
     for d in flips:
         parts.append(f"<h3>{html.escape(d.dataset)}: {len(d.lost)} correct in A, wrong in B; "
-                     f"{len(d.gained)} wrong in A, correct in B ({d.examples} examples)</h3>")  # fmt: skip
+                     f"{len(d.gained)} wrong in A, correct in B ({d.examples} examples)</h3>")
         for kind, title, items in (("lost", "correct in A, wrong in B", d.lost),
-                                   ("gained", "wrong in A, correct in B", d.gained)):  # fmt: skip
+                                   ("gained", "wrong in A, correct in B", d.gained)):
             if not items:
                 continue
             rows = "".join(

@@ -121,7 +121,7 @@ class LocalStack:
         port = port if port is not None else _preferred_port(st.port)
         server = start_server(prefect_home, port, auth_string=auth)
         self._save(st.model_copy(update={"server_pid": server.pid, "api_url": server.api_url, "port": port,
-                                         "prefect_home": str(prefect_home)}))  # fmt: skip
+                                         "prefect_home": str(prefect_home)}))
         return server
 
     def deploy(self) -> None:
@@ -137,7 +137,7 @@ class LocalStack:
             out = subprocess.run(
                 [sys.executable, "-m", "prefect", *args], cwd=project_dir(), env=env,
                 capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
         from app.automations import ensure_alerts_in  # imports Prefect: only when deploying
@@ -155,19 +155,19 @@ class LocalStack:
         host's socket (both passed on to flow runs)."""
         return dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
                     PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds),
-                    **{SOCKET_ENV: str(self.warm_socket()), HOST_ENV: str(self.backend_socket())})  # fmt: skip
+                    **{SOCKET_ENV: str(self.warm_socket()), HOST_ENV: str(self.backend_socket())})
 
     def backend_host_up(self) -> int:
         """Start the backend host (or return the running one) and wait until it answers."""
         sock = self.backend_socket()
         return self._companion_up("backend-host", "backend_host_pid", sock, host_command(sock),
-                                  lambda _proc: wait_host_ready(sock))  # fmt: skip
+                                  lambda _proc: wait_host_ready(sock))
 
     def warm_up(self) -> int:
         """Start the warm-start fork server (or return the running one) and wait until it listens."""
         sock = self.warm_socket()
         return self._companion_up("warm-start", "warm_pid", sock, server_command(sock),
-                                  lambda proc: wait_listening(sock, proc))  # fmt: skip
+                                  lambda proc: wait_listening(sock, proc))
 
     def _companion_up(
         self,
@@ -228,7 +228,7 @@ class LocalStack:
                 if host_pid != before.backend_host_pid:
                     started.append(("backend_host_pid", host_pid, 60.0))
                 spec = ProcessSpec(role="worker", command=self.worker_command(pool),
-                                   env=self.worker_env(query_seconds), cwd=str(project_dir()))  # fmt: skip
+                                   env=self.worker_env(query_seconds), cwd=str(project_dir()))
                 record, proc = start_process(spec, None)  # foreground: its output is this command's
                 started.insert(0, ("worker_pid", record.pid, WORKER_STOP_GRACE_S))
                 self._save(self.state().model_copy(update={"worker_pid": record.pid}))

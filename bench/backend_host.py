@@ -67,7 +67,7 @@ def _hosted(options: dict[str, str], snaps: list[str], points: int, root: Path) 
     repo = Path(__file__).resolve().parents[1]
     with open(root / "host.log", "w") as log:
         host = subprocess.Popen(host_command(sock), cwd=repo, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True)
         try:
             wait_host_ready(sock)
             times = []

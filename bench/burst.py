@@ -267,7 +267,7 @@ class LocalPostgres:
             [str(self.bin_dir / "psql"), "-h", self.host, "-p", str(self.port), "-U", self.user,
              "-d", self.database, "-tAc", sql],
             capture_output=True, text=True, timeout=30, check=True, env=self.client_env(),
-        )  # fmt: skip
+        )
         return out.stdout.strip()
 
 
@@ -320,7 +320,7 @@ def running_postgres(
         subprocess.run(
             _as_owner([str(bin_dir / "initdb"), "-D", str(data), "-U", pg.user, *auth, "-E", "UTF8", "--no-sync"]),
             capture_output=True, text=True, timeout=120, check=True,
-        )  # fmt: skip
+        )
         if password and clients:
             with open(data / "pg_hba.conf", "a") as hba:
                 hba.write(f"host all all {clients} scram-sha-256\n")
@@ -329,19 +329,19 @@ def running_postgres(
             wrap(_as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "postgres.log"), "-w",
                             "-t", "60", "-o", opts, "start"])),
             capture_output=True, text=True, timeout=90, check=True,
-        )  # fmt: skip
+        )
         started = True
         subprocess.run(
             [str(bin_dir / "createdb"), "-h", host, "-p", str(port), "-U", pg.user, pg.database],
             capture_output=True, text=True, timeout=30, check=True, env=pg.client_env(),
-        )  # fmt: skip
+        )
         yield pg
     finally:
         if started:
             subprocess.run(
                 _as_owner([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "-t", "30", "stop"]),
                 capture_output=True, timeout=60,
-            )  # fmt: skip
+            )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -373,7 +373,7 @@ def _burst_on(stack_home: Path, db_url: str | None, model: Path, fleet_state: Pa
             with EvalClient(
                 f"burst-{tag}", server.api_url, blocks=names, policy="skip", max_in_flight=2,
                 staging_root=root, exporter=snapshot_exporter(model), spool_dir=stack_home / "spool",
-            ) as client:  # fmt: skip
+            ) as client:
                 return run_burst(client, api_url=server.api_url, staging_root=root, keep_snapshots=keep, steps=steps)
     finally:
         stack.down()

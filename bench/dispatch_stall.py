@@ -63,7 +63,7 @@ def measure(api: str, work: Path) -> dict[str, list[float]]:
     slow = FaultyHTTPProxy(upstream, rules=[Rule("delay", delay_s=0.5)])
     refusing = FaultyHTTPProxy(upstream, rules=[Rule("error", status=503)])
     urls = {"up": api, "slow": f"{slow.url}/api", "refusing": f"{refusing.url}/api",
-            "unreachable": f"http://127.0.0.1:{free_port()}/api"}  # fmt: skip
+            "unreachable": f"http://127.0.0.1:{free_port()}/api"}
     try:
         for rnd in range(ROUNDS):
             steps = range(PER_ROUND)
@@ -84,7 +84,7 @@ def measure(api: str, work: Path) -> dict[str, list[float]]:
             res["spool append"] += _timed(
                 lambda s, r=inline_run: spool.append(event_entry(PointRequest(run=r, step=s, source=SOURCE),
                                                                  BlockNames())), steps,
-            )  # fmt: skip
+            )
     finally:
         slow.close()
         refusing.close()

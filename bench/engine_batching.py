@@ -63,7 +63,7 @@ def _http_pair(model_dir: Path, log_dir: Path) -> tuple[float, float]:
     try:
         proc.wait_ready(timeout=180)
         body = {"input_ids": [1, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                                "ignore_eos": True}}  # fmt: skip
+                                                                "ignore_eos": True}}
         with httpx.Client(base_url=proc.url, timeout=300) as client:
             client.post("/generate", json=body)  # warm-up
             t0 = time.perf_counter()
@@ -122,7 +122,7 @@ def main() -> None:
         tps = N_REQUESTS * NEW_TOKENS / batched
         print(f"{case:<58} {serial:>9.3f} {batched:>10.3f} {tps:>14.0f} {serial / batched:>6.2f}")
     print(f"\n{'weight load of ' + format(size / 2**20, '.0f') + ' MiB snapshot':<58} {'from_pretrained s':>18}"
-          f" {'in place s':>11} {'ratio':>6}")  # fmt: skip
+          f" {'in place s':>11} {'ratio':>6}")
     print(f"{'wide model, fp32, median of 3':<58} {fresh:>18.3f} {inplace:>11.3f} {fresh / inplace:>6.2f}")
 
 

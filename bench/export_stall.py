@@ -53,7 +53,7 @@ def qwen3_4b_shapes(scale: int = 1) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
             p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        }  # fmt: skip
+        }
     out |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
     return out
 
@@ -61,7 +61,7 @@ def qwen3_4b_shapes(scale: int = 1) -> dict[str, tuple[int, ...]]:
 def _state_dict(device: str, scale: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(0)
     return {n: torch.rand(s, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
-            for n, s in qwen3_4b_shapes(scale).items()}  # fmt: skip
+            for n, s in qwen3_4b_shapes(scale).items()}
 
 
 def _round(client: EvalClient, step: int, export: object) -> tuple[float, float]:
@@ -80,7 +80,7 @@ def measure(sd: dict[str, torch.Tensor], work: Path, rounds: int) -> dict[str, d
     api = f"http://127.0.0.1:{free_port()}/api"
     staging = work / "staging"
     with EvalClient("bench-stall", api, spool_dir=work / "spool", staging_root=staging, max_in_flight=64,
-                    startup_sync_s=0) as client:  # fmt: skip
+                    startup_sync_s=0) as client:
         t0 = time.perf_counter()  # the buffer allocated ahead, off the loop (pinned with CUDA)
         client.host_staging.reserve(sum(-(-t.numel() * t.element_size() // 64) * 64 for t in sd.values())).join()
         out["reserve"] = {"seconds": time.perf_counter() - t0}
@@ -101,7 +101,7 @@ def measure(sd: dict[str, torch.Tensor], work: Path, rounds: int) -> dict[str, d
                 "stall_min": min(s["stall"]), "stall_max": max(s["stall"]), "rss": max(s["rss"]),
                 "staging": client.host_staging.capacity_bytes if name == "two-phase" else 0,
                 "allocations": client.host_staging.allocations if name == "two-phase" else 0,
-            }  # fmt: skip
+            }
     return out
 
 
@@ -120,12 +120,12 @@ def main(argv: list[str] | None = None) -> None:
         res = measure(sd, Path(tmp), args.rounds)
     print(f"{len(sd)} tensors, {nbytes / 1e9:.3f} GB bf16 on {args.device} (scale 1/{scale}), {args.rounds} rounds")
     print(f"{'variant':<22}{'n':>3}{'stall p50 s':>13}{'stall min-max s':>18}{'complete p50 s':>16}"
-          f"{'GB/s to complete':>18}{'staging MB':>12}{'allocs':>8}{'RSS MB':>9}")  # fmt: skip
+          f"{'GB/s to complete':>18}{'staging MB':>12}{'allocs':>8}{'RSS MB':>9}")
     reserve = res.pop("reserve")["seconds"]
     for name, r in res.items():
         print(f"{name:<22}{r['n']:>3.0f}{r['stall']:>13.3f}{r['stall_min']:>9.3f}-{r['stall_max']:<8.3f}"
               f"{r['complete']:>16.3f}{nbytes / 1e9 / r['complete']:>18.2f}{r['staging'] / 1e6:>12.1f}"
-              f"{r['allocations']:>8.0f}{r['rss'] / 1e6:>9.0f}")  # fmt: skip
+              f"{r['allocations']:>8.0f}{r['rss'] / 1e6:>9.0f}")
     print(f"staging buffer reserved ahead (background thread, once per client): {reserve:.3f} s")
     sync, two = res["sync write_snapshot"], res["two-phase"]
     print(f"stall: {sync['stall'] / two['stall']:.1f}x shorter; complete: two-phase / sync = "

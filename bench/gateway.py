@@ -60,7 +60,7 @@ def start_fleet(base: Path) -> LaunchedFleet:
         CpuEngineArgs(model_path=str(model), port=_free_port(), weight_version="1", api_key=keys.api,
                       admin_api_key=keys.admin),
         env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-    )  # fmt: skip
+    )
     return launch_fleet([spec], log_dir=base / "logs", keys=keys, ready_timeout_s=180)
 
 
@@ -74,7 +74,7 @@ async def measure(
                                     "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}),
         "chat": ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                           "max_tokens": max_new, "temperature": 0}),
-    }  # fmt: skip
+    }
     times: dict[str, list[float]] = {f"{k} {v}": [] for k in bodies for v in ("direct", "via gateway")}
     cpu: dict[str, list[float]] = {k: [] for k in times}
     async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=60) as user:

@@ -97,11 +97,11 @@ def main() -> None:
     print(f"{'case (2 CPU engines, hidden 512, 8 layers, LoRA r=16)':<58} {'full s':>8} {'adapter s':>10} {'ratio':>6}")
     print(f"{f'pin, median of {REPEATS}':<58} {f:>8.3f} {a:>10.3f} {f / a:>6.1f}")
     print(f"{'one engine, load step alone, median of ' + str(REPEATS):<58} {load_full:>8.3f} {load_adapter:>10.3f}"
-          f" {load_full / load_adapter:>6.1f}")  # fmt: skip
+          f" {load_full / load_adapter:>6.1f}")
     print(f"{'export (merged full snapshot vs adapter snapshot)':<58} {merged_export:>8.3f} {adapter_export:>10.3f}"
-          f" {merged_export / adapter_export:>6.1f}")  # fmt: skip
+          f" {merged_export / adapter_export:>6.1f}")
     print(f"{'snapshot MiB':<58} {full_bytes / 2**20:>8.1f} {adapter_bytes / 2**20:>10.2f}"
-          f" {full_bytes / adapter_bytes:>6.1f}")  # fmt: skip
+          f" {full_bytes / adapter_bytes:>6.1f}")
 
 
 if __name__ == "__main__":

@@ -66,14 +66,14 @@ def _stage(c: Any, names: dict[str, str], run: str, steps: range, export: Any, w
 
 
 def _create(client: Any, node: str, run: str, names: dict[str, str], staged: dict[int, str], *, policy: str,
-            max_in_flight: int, deployment: str | None = None) -> list[Any]:  # fmt: skip
+            max_in_flight: int, deployment: str | None = None) -> list[Any]:
     dep = client.read_deployment_by_name(deployment or f"eval-point/eval-point-{node}")
     runs = []
     for step, path in staged.items():
         params = {"run": run, "step": step, **names, "policy": policy, "max_in_flight": max_in_flight,
-                  "source": {"kind": "staged", "path": path}}  # fmt: skip
+                  "source": {"kind": "staged", "path": path}}
         runs.append(client.create_flow_run_from_deployment(dep.id, name=f"{run}/step-{step}", parameters=params,
-                                                           tags=[f"run:{run}", f"step:{step}"]))  # fmt: skip
+                                                           tags=[f"run:{run}", f"step:{step}"]))
     return runs
 
 
@@ -119,7 +119,7 @@ def throughput(c: Any, client: Any, n: int, export: Any, work: Path) -> dict[str
         out[label] = {"points": len(runs), "measured": len(measured), "span_s": round(span, 1),
                       "measured_per_min": round(60 * len(measured) / span, 2),
                       "cpu_busy": round((busy1 - busy0) / (total1 - total0), 3),
-                      "cpu_s_per_point": round((busy1 - busy0) / _HZ / max(1, len(measured)), 2)}  # fmt: skip
+                      "cpu_s_per_point": round((busy1 - busy0) / _HZ / max(1, len(measured)), 2)}
         c.mark(f"throughput, {label}")
         print(f"throughput, {label}: {out[label]}", flush=True)
     return out
@@ -134,16 +134,16 @@ def _cold_pool(c: Any, client: Any) -> None:
 
     env = c.client_env(c.host_dir("operator") / "home")
     subprocess.run([sys.executable, "-m", "prefect", "work-pool", "create", COLD_POOL, "--type", "process",
-                    "--overwrite"], env=env, cwd=REPO, check=True, capture_output=True, timeout=300)  # fmt: skip
+                    "--overwrite"], env=env, cwd=REPO, check=True, capture_output=True, timeout=300)
     client.create_deployment(
         flow_id=client.read_flow_by_name("eval-point").id, name="eval-point-cold", work_pool_name=COLD_POOL,
         entrypoint="flows/eval_point.py:eval_point",
         pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
-    )  # fmt: skip
+    )
     argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", COLD_POOL, "--type", "process",
-            "--name", "cold", "--limit", "2"]  # fmt: skip
+            "--name", "cold", "--limit", "2"]
     c.net.start("worker-a", "worker-cold", argv, env=c.worker_env("worker-a"),
-                log=c.host_dir("worker-a") / "worker-cold.log", cwd=str(REPO))  # fmt: skip
+                log=c.host_dir("worker-a") / "worker-cold.log", cwd=str(REPO))
     poll_until(lambda: client.read_workers_for_work_pool(COLD_POOL), timeout_s=300, what="the cold worker")
 
 
@@ -167,7 +167,7 @@ def latency(c: Any, client: Any, n: int, export: Any, work: Path) -> tuple[dict[
             kind = "warm" if step % 2 == 0 else "cold"
             sent = datetime.now(UTC)
             [fr] = _create(client, "worker-a", run, names, {step: path}, policy="skip", max_in_flight=1,
-                           deployment=deployments[kind])  # fmt: skip
+                           deployment=deployments[kind])
             [done] = _wait_final(client, [fr.id], timeout_s=300)
             states = client.read_flow_run_states(fr.id)
             running = min(s.timestamp for s in states if s.type.value == "RUNNING")
@@ -197,9 +197,9 @@ def dispatch_under_kill(c: Any, n: int, model: Path) -> tuple[dict[str, list[flo
     named = sorted(tensors.items())
     client = EvalClient(run, settings=settings, blocks=BlockNames(**names), policy="skip", max_in_flight=2,
                         staging_root=f"s3://{c.bucket}/{run}", spool_dir=c.host_dir("operator") / f"spool-{run}",
-                        deployment="eval-point/eval-point-worker-b")  # fmt: skip
+                        deployment="eval-point/eval-point-worker-b")
     client.exporter = lambda step, dest: write_snapshot(named, dest, base_hf_dir=str(model), max_shard_bytes=64 * 1024,
-                                                        storage_options=client.storage_options)  # fmt: skip
+                                                        storage_options=client.storage_options)
     seen: dict[str, list[float]] = {"before the kill": [], "after the kill": []}
     actions: dict[str, int] = {}
     pause = threading.Event()
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         with cluster(work / "cluster", model) as c:
             setup_s = time.monotonic() - t0
             with use_server(c.api_url, c.host_dir("operator") / "home", auth_string=c.auth_string), \
-                    get_client(sync_client=True) as client:  # fmt: skip
+                    get_client(sync_client=True) as client:
                 tp = throughput(c, client, args.points, export, snaps)
                 lat, odd = latency(c, client, args.latency, export, snaps) if args.latency else ({}, [])
             disp, actions = dispatch_under_kill(c, args.dispatches, model) if args.dispatches else ({}, {})
@@ -251,12 +251,12 @@ def main(argv: list[str] | None = None) -> None:
     load1 = os.getloadavg()
 
     print(f"multihost: cluster up in {setup_s:.0f} s; load average at start {load0[0]:.1f}, at end {load1[0]:.1f} "
-          f"({os.cpu_count()} CPUs)")  # fmt: skip
+          f"({os.cpu_count()} CPUs)")
     print("\n| worker hosts | points | measured | span, s | measured points / min | CPU busy (all cores) "
-          "| CPU s / measured point |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "| CPU s / measured point |\n|---|---|---|---|---|---|---|")
     for label, row in tp.items():
         print(f"| {label} | {row['points']} | {row['measured']} | {row['span_s']} | {row['measured_per_min']} "
-              f"| {row['cpu_busy']:.0%} | {row['cpu_s_per_point']} |")  # fmt: skip
+              f"| {row['cpu_busy']:.0%} | {row['cpu_s_per_point']} |")
     one, two = (tp[k]["measured_per_min"] for k in ("one worker host", "two worker hosts"))
     print(f"| two / one | | | | **{two / one:.2f}x** (goal >= 1.8x) | | |" if one else "| two / one | | | | - | | |")
     print("\n| request -> Running, s | n | p50 | p99 | max |\n|---|---|---|---|---|")

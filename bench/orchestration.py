@@ -98,7 +98,7 @@ def _deploy(pool: str, name: str, triggered: bool) -> str:
     subprocess.run(
         [sys.executable, "-m", "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite", *template],
         check=True, capture_output=True,
-    )  # fmt: skip
+    )
     trigger = DeploymentEventTrigger(
         name="bench-requested",
         expect={"pinned-eval.point.requested"},
@@ -120,7 +120,7 @@ def _worker(pool: str, query_s: float, log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        )
 
 
 def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str, float]]]:
@@ -136,7 +136,7 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
     sock = tmp / f"bench-worker-bench-pool-warm-{os.getpid()}.sock"
     with open(sock.with_suffix(".fork.log"), "w") as out:
         warm = subprocess.Popen(server_command(sock), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True)
     wait_listening(sock, warm)
     workers = [_worker(pool, q, tmp / f"bench-worker-{pool}-{os.getpid()}.log") for pool, q in PATHS.values()]
     out: dict[str, list[dict[str, float]]] = {label: [] for label in PATHS}
@@ -159,7 +159,7 @@ def measure_event_latency(api_url: str, events: int) -> dict[str, list[dict[str,
                     rest.post_events([event]).raise_for_status()
                 else:
                     body = {"name": f"{run}/step-{i}", "parameters": {"run": run, "step": i},
-                            "idempotency_key": str(uuid.uuid4())}  # fmt: skip
+                            "idempotency_key": str(uuid.uuid4())}
                     rest.create_flow_run(deployment_id, body).raise_for_status()
                 phases, flow_run_id = _wait_running(http, api_url, deployment_id, run)
                 out[label].append({k: (t - sent).total_seconds() for k, t in phases.items()})

@@ -96,7 +96,7 @@ def _measure(root: Path, reps: int, suite_under_test: object) -> dict[str, list[
                 staging.staging().put(snapshot, "bench", step)
             t0 = time.perf_counter()
             state = eval_point(run="bench", step=step, source={"kind": "staged", "path": dest}, suite="bench",
-                               fleet="bench", staging="bench", sinks=sinks, return_state=True)  # fmt: skip
+                               fleet="bench", staging="bench", sinks=sinks, return_state=True)
             seconds = time.perf_counter() - t0
             assert state.name == "Completed", state.message
             return seconds
@@ -141,7 +141,7 @@ def _print(res: dict[str, list[float]], reps: int, workload: str) -> None:
     for label, value in rows:
         print(f"{label:58} {value:10.3f}")
     print("per repetition (s): " + "; ".join(f"{k} " + " ".join(f"{v:.2f}" for v in res[k])
-                                           for k in ("plain", "kept", "cached", "rescore")))  # fmt: skip
+                                           for k in ("plain", "kept", "cached", "rescore")))
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 

@@ -145,7 +145,7 @@ class FleetBlock(Block):
             return launch_cpu_fleet(
                 self.model_path, self.engines, state_file=state, api_key=api_key, admin_api_key=admin,
                 ready_timeout_s=ready_timeout_s, tool_call_parser=self.tool_call_parser,
-            )  # fmt: skip
+            )
         spec = SGLangFleetSpec(
             model_path=self.model_path,
             num_gpus=self.engines * self.gpus_per_engine,
@@ -159,4 +159,4 @@ class FleetBlock(Block):
         return launch_sglang_fleet(
             spec, log_dir=state.parent / "logs", state_file=state, api_key=api_key, admin_api_key=admin,
             ready_timeout_s=ready_timeout_s,
-        )  # fmt: skip
+        )

@@ -86,7 +86,7 @@ class _Sampling(BaseModel):
             "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias,
-        }  # fmt: skip
+        }
         return SamplingParams.parse(raw)
 
 
@@ -142,7 +142,7 @@ def _usage(results: list[SeqResult], n: int) -> dict[str, Any]:
     prompt = sum(results[i].prompt_tokens for i in range(0, len(results), n))
     completion = sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}  # fmt: skip
+            "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
 
 
 def _metadata(first: SeqResult) -> dict[str, Any]:
@@ -185,7 +185,7 @@ def add_openai_routes(app: FastAPI) -> None:
             PromptItem(i, rid if not batch else f"{rid}_{i}", p if isinstance(p, str) else None,
                        None if isinstance(p, str) else list(p), params, body.lora_path, spec)
             for i, p in enumerate(prompts)
-        ]  # fmt: skip
+        ]
         results = await _run(request, st, items, "completions", batch)
         choices = []
         for idx, r in enumerate(results):
@@ -199,13 +199,13 @@ def add_openai_routes(app: FastAPI) -> None:
                 "logprobs": completion_logprobs(r.logprobs, st.tokenizer, body.echo and bool(body.logprobs))
                 if r.logprobs is not None else None,
                 "finish_reason": reason, "matched_stop": matched,
-            })  # fmt: skip
+            })
             if body.return_token_ids:
                 choices[-1] |= {"token_ids": r.output_ids, "prompt_token_ids": r.prompt_ids}
         return JSONResponse({
             "id": results[0].rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
             "choices": choices, "usage": _usage(results, body.n), "metadata": _metadata(results[0]),
-        })  # fmt: skip
+        })
 
     @app.post("/v1/chat/completions", dependencies=[Depends(normal_auth)])
     async def chat(request: Request) -> JSONResponse:
@@ -241,7 +241,7 @@ def add_openai_routes(app: FastAPI) -> None:
                 "index": idx, "message": message,
                 "logprobs": chat_logprobs(r.logprobs, st.tokenizer) if r.logprobs is not None else None,
                 "finish_reason": reason, "matched_stop": matched,
-            }  # fmt: skip
+            }
             if body.return_prompt_token_ids or body.return_token_ids:
                 choice["prompt_token_ids"] = r.prompt_ids
             if body.return_token_ids:
@@ -252,7 +252,7 @@ def add_openai_routes(app: FastAPI) -> None:
         return JSONResponse({
             "id": results[0].rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
             "choices": choices, "usage": _usage(results, body.n), "metadata": _metadata(results[0]),
-        })  # fmt: skip
+        })
 
 
 def _normalise_message(i: int, message: dict[str, Any]) -> dict[str, Any]:

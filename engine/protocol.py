@@ -34,7 +34,7 @@ SAMPLING_KEYS = (
     "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
     "watermark", "choice",
-)  # fmt: skip
+)
 ALL_TOKENS = 1 << 30
 
 

@@ -183,7 +183,7 @@ def _info_routes(app: FastAPI) -> None:
             {"id": name, "object": "model", "created": int(st.startup_time), "owned_by": "sglang", "root": path,
              "parent": st.served_model_name, "max_model_len": None}
             for name, path in st.runner.lora.loaded().items()
-        ]  # fmt: skip
+        ]
         return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/get_load", dependencies=[Depends(normal_auth)])

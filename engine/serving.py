@@ -92,7 +92,7 @@ def _resolve_adapters(st: EngineState, seqs: list[Sequence]) -> None:
                     400,
                     {"error": f"lora_path: got LoRA adapter that has never been loaded: {seq.lora_name}; "
                               f"loaded adapters: {sorted(adapters)}"},
-                )  # fmt: skip
+                )
 
 
 async def _await_results(request: Request, runner: Runner, seqs: list[Sequence]) -> list[SeqResult]:

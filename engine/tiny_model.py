@@ -300,7 +300,7 @@ def make_tiny_adapter(
         "init_lora_weights": True, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "modules_to_save": None,
         "peft_type": "LORA", "r": r, "target_modules": sorted(targets), "task_type": "CAUSAL_LM",
         "use_dora": False, "use_rslora": False,
-    }  # fmt: skip
+    }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for path in out.iterdir():
         path.chmod(0o644)

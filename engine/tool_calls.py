@@ -125,7 +125,7 @@ def apply(
         {"id": f"call_{uuid.uuid4().hex[:24]}", "index": k, "type": "function",
          "function": {"name": c.name, "arguments": c.arguments}}
         for k, c in enumerate(result.calls)
-    ]  # fmt: skip
+    ]
     if finish.get("type") == "stop":
         finish = {**finish, "type": "tool_calls", "matched": None}
     return result.content, calls, finish

@@ -99,7 +99,7 @@ def stack(args: argparse.Namespace, example: str) -> Iterator[Stack]:
             api_url = args.api_url or os.environ.get("PREFECT_API_URL") or recorded
             if not api_url or not args.model_path:
                 raise SystemExit("need a running stack (--api-url or PREFECT_API_URL, and --model-path), "
-                                 "or --self-contained")  # fmt: skip
+                                 "or --self-contained")
             model, state = args.model_path.resolve(), (args.fleet_state or default_state_file()).resolve()
             # the credential: PREFECT_API_AUTH_STRING or PINNED_EVAL_API_AUTH_FILE, else the home's (its server only)
             given = PrefectApiSettings().api_auth_string

@@ -59,7 +59,7 @@ def main() -> None:
             10: ("trainer_integration.sglang_backend:SGLangCheckpointEval",
                  {"launch": "cpu", "model_path": str(st.model_path), "log_dir": str(st.work / "logs")}),
             11: ("examples.external_backend:QuotaBackend", {"credits": 0}),
-        }  # fmt: skip
+        }
         for step, (backend, options) in backends.items():
             # the operator saves each backend as a block; a request names the block, never the class
             block = f"{st.run}-backend-{step}"
@@ -68,7 +68,7 @@ def main() -> None:
             request = PointRequest(
                 run=st.run, step=step, posture="external", source=SnapshotSource(kind="hf", path=str(ckpt)),
                 backend_block=block,
-            )  # fmt: skip
+            )
             post_events(st.api_url, [point_event(request, st.blocks)])  # what EvalClient.dispatch sends
             print(f"requested {st.run}/step-{step} with {backend}", flush=True)
         with EvalClient(st.run, st.api_url, blocks=st.blocks, spool_dir=st.work / "spool") as client:

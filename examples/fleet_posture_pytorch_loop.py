@@ -42,7 +42,7 @@ def main() -> None:
         client = EvalClient(
             st.run, st.api_url, blocks=st.blocks, policy="backpressure", max_in_flight=2,
             staging_root=st.work / "staging", spool_dir=st.work / "spool",  # staging_root = the block's root
-        )  # fmt: skip
+        )
         with client:
             rng = random.Random(0)
             for step in range(1, args.steps + 1):
@@ -59,7 +59,7 @@ def main() -> None:
                     res = client.dispatch(step, final=final, export=export)
                     print(f"step {step} loss {loss.item():.3f}: point {res.action}, loop stalled "
                           f"{res.stall_seconds * 1000:.0f} ms (export {(res.export_time_seconds or 0) * 1000:.0f} ms)",
-                          flush=True)  # fmt: skip
+                          flush=True)
             outcomes = client.drain(timeout=600)
         for outcome in outcomes:
             print(_stack.describe(outcome))

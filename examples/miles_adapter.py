@@ -56,7 +56,7 @@ def main() -> None:
                 scores = " ".join(f"{ds}={out.metrics[f'eval/{ds}']:.3f}" for ds in sorted(out.data))
                 samples = sum(len(d["rewards"]) for d in out.data.values())
                 print(f"point step={step} state=measured weight_version={','.join(versions)} mixed={mixed:g} "
-                      f"{scores} samples={samples}")  # fmt: skip
+                      f"{scores} samples={samples}")
         finally:
             eval_fn.dispose()
 

@@ -132,7 +132,7 @@ class BackendHost:
             return await asyncio.shield(thread)
         except asyncio.CancelledError:
             log.warning("%s: the client left during a synchronous evaluation (step %d); holding the "
-                        "configuration until it returns", req.backend, req.input.step)  # fmt: skip
+                        "configuration until it returns", req.backend, req.input.step)
             while not thread.done():
                 with contextlib.suppress(asyncio.CancelledError):  # a second cancel (shutdown) waits too
                     await asyncio.wait([thread])
@@ -238,7 +238,7 @@ def serve(socket_path: Path) -> None:
     children_die_with_me()
     app = create_app(BackendHost(), socket_path)
     config = uvicorn.Config(app, http=_owner_only_http(socket_path), ws="none", log_level="warning",
-                            timeout_graceful_shutdown=5)  # fmt: skip
+                            timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[listener])
 
 

@@ -51,7 +51,7 @@ def read_auth_file(path: Path) -> SecretStr:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
             raise PermissionError(f"{path}: the API credential file must be a regular file of mode 0600, "
-                                  f"not {stat.filemode(st.st_mode)}")  # fmt: skip
+                                  f"not {stat.filemode(st.st_mode)}")
         text = os.read(fd, 4096).decode().strip()
     finally:
         os.close(fd)

@@ -143,14 +143,14 @@ def claim_new_dir(
         raise UntrustedPathError(f"{what} {path!r} already exists as a symlink; give a new directory")
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise UntrustedPathError(f"{what} {path!r} already exists and is not this user's directory; "
-                                 "give a new directory")  # fmt: skip
+                                 "give a new directory")
     try:
         empty = not os.listdir(path)
     except OSError:
         empty = False
     if not empty and not (earlier_output is not None and earlier_output(path)):
         raise UntrustedPathError(f"{what} {path!r} already exists and holds files this command did not write; "
-                                 "give a new directory")  # fmt: skip
+                                 "give a new directory")
     check_trusted(path, what)
 
 

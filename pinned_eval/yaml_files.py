@@ -68,7 +68,7 @@ def read_config_file(path: str | os.PathLike[str], name: str | None = None, max_
 
 def _kind(mode: int) -> str:
     for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):  # fmt: skip
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
         if test(mode):
             return kind
     return "special file"
@@ -106,7 +106,7 @@ def _check_shape(text: str, name: str) -> None:
             depth += 1
             if depth > MAX_DEPTH:
                 raise YamlFileError(f"{name}: nested more than {MAX_DEPTH} levels deep "
-                                    f"(line {event.start_mark.line + 1})")  # fmt: skip
+                                    f"(line {event.start_mark.line + 1})")
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
         elif isinstance(event, yaml.AliasEvent):

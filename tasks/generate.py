@@ -52,7 +52,7 @@ class _Progress:
         except Exception as exc:  # a UI nicety: never fails the point; logged, then progress stops
             self.artifact_id = None
             get_run_logger().warning("progress artifact failed, progress no longer shown: %s: %s",
-                                     type(exc).__name__, exc)  # fmt: skip
+                                     type(exc).__name__, exc)
 
     def tick(self) -> None:
         self.done += 1

@@ -99,7 +99,7 @@ def export_snapshot(
     return Snapshot(
         path=dest, owned=True, kind=source.kind, export_time_seconds=seconds, adapter=adapter,
         lora_base=source.hf_base if adapter else None,
-    )  # fmt: skip
+    )
 
 
 def _export_lora(adapter: str, base: str, dest: str, staging: Staging, mode: LoraMode) -> None:

@@ -57,7 +57,7 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     worker_dir = tmp_path_factory.mktemp("worker")
     template = write_job_template(worker_dir / "warm-template.json")
     pool = prefect_cli("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite",
-                       "--base-job-template", str(template), env=env)  # fmt: skip
+                       "--base-job-template", str(template), env=env)
     assert pool.returncode == 0, pool.stdout + pool.stderr
     dep = prefect_cli("--no-prompt", "deploy", "--all", env=env)
     assert dep.returncode == 0, dep.stdout + dep.stderr
@@ -65,10 +65,10 @@ def deployed(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     worker_env = dict(without_aws_credentials(env, worker_dir), **{SOCKET_ENV: str(sock), HOST_ENV: str(backend_sock)})
     warm_log = open(worker_dir / "warm-start.log", "w")  # noqa: SIM115 - closed at teardown
     warm = subprocess.Popen(server_command(sock), cwd=REPO, env=worker_env, stdout=warm_log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, start_new_session=True)
     host_log = open(worker_dir / "backend-host.log", "w")  # noqa: SIM115 - closed at teardown
     host = subprocess.Popen(host_command(backend_sock), cwd=REPO, env=worker_env, stdout=host_log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, start_new_session=True)
     wait_listening(sock, warm)
     wait_host_ready(backend_sock)
     log = open(worker_dir / "worker.log", "w")  # noqa: SIM115 - closed at teardown

@@ -42,7 +42,7 @@ def settled_events(name: str, resource_id: str, at_least: int = 1) -> list[dict[
     return poll_until(
         lambda: found if len(found := stored_events(name, resource_id)) >= at_least else None,
         timeout_s=60, interval_s=0.5, what=f"{at_least} {name} event(s) of {resource_id}",
-    )  # fmt: skip
+    )
 
 
 def related_flow_runs(event: dict[str, Any]) -> list[str]:

@@ -30,4 +30,4 @@ class RecordingBackend(CheckpointEvalFn):
         return EvalResults(data={
             ds.name: DatasetResult(rewards=[1.0], truncated=[False], weight_versions=[v], response_lens=[1])
             for ds in input.datasets
-        })  # fmt: skip
+        })

@@ -175,7 +175,7 @@ class EvalClient(TwoPhaseDispatch, PointOutcomes):
         self._sync = AdmissionSync(
             run, self.rest, self.admission, self._target, self.blocks,
             spooled=self._spooled, enqueue=self._enqueue, poll_s=poll_s, idle_sync_s=idle_sync_s,
-        )  # fmt: skip
+        )
         self.deliverer.start()
         self._sync.start()
         self.deliverer.kick()
@@ -283,7 +283,7 @@ class EvalClient(TwoPhaseDispatch, PointOutcomes):
         verdict, n, waited, offline = self.admission.decide(
             step, final=final, policy=self.policy, max_in_flight=self.max_in_flight, spooled=self._spooled,
             poll_s=self.poll_s, wake=self._sync.wake,
-        )  # fmt: skip
+        )
         common: dict[str, Any] = {"step": step, "in_flight": n, "waited_seconds": waited, "admitted_offline": offline}
         if verdict == "exists":
             return DispatchResult(action="exists", stall_seconds=time.monotonic() - t0, **common)

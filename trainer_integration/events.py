@@ -147,7 +147,7 @@ class Delivery:
             self._create_run(entry.model_copy(update={"body": body}))
         except RejectedDeliveryError as exc:
             log.warning("pinned-eval: direct run for %s step %d refused (%s); sending the event", entry.run,
-                        entry.step, exc)  # fmt: skip
+                        entry.step, exc)
             self._send_event(entry.body)
 
     def _send_event(self, event: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ class ExportTarget:
         self._options = s3_storage_options(
             data.get("endpoint_url"), data.get("region_name"), data.get("aws_access_key_id"),
             data.get("aws_secret_access_key"),
-        )  # fmt: skip
+        )
 
     def staging(self) -> Staging | None:
         if self.root is None:
@@ -58,6 +58,6 @@ class ExportTarget:
                 if self._missing:
                     raise ValueError(self._missing)
                 raise ApiUnavailableError(f"staging_root: the staging block's S3 credentials for {self.root} "
-                                          "are not read yet (Prefect API unreachable)")  # fmt: skip
+                                          "are not read yet (Prefect API unreachable)")
             self._store = Staging(self.root, storage_options=self._options)
         return self._store

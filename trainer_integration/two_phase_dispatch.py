@@ -75,7 +75,7 @@ class TwoPhaseDispatch:
                 why = "the previous in-loop snapshot is still being written"
                 self._record_skip(step, None, final, posture, "export_busy", why)
                 return DispatchResult(action="skipped_export_busy", reason=why,
-                                      stall_seconds=time.monotonic() - t0, **common)  # fmt: skip
+                                      stall_seconds=time.monotonic() - t0, **common)
             common["waited_seconds"] += time.monotonic() - e0
             e0 = time.monotonic()
             try:
@@ -91,10 +91,10 @@ class TwoPhaseDispatch:
         elif getattr(export, "skipped", None) or not getattr(export, "ok", True):  # a collective that staged nothing
             reason = "export_busy" if getattr(export, "skipped", None) else "export_failed"
             why = ("the previous in-loop snapshot is still being written" if reason == "export_busy"
-                   else f"in-loop export: {getattr(export, 'error', None)}"[:500])  # fmt: skip
+                   else f"in-loop export: {getattr(export, 'error', None)}"[:500])
             self._record_skip(step, None, final, posture, reason, why)
             return DispatchResult(action=f"skipped_{reason}", reason=why,  # type: ignore[arg-type]
-                                  stall_seconds=time.monotonic() - t0, **common)  # fmt: skip
+                                  stall_seconds=time.monotonic() - t0, **common)
         else:  # staged by a collective on this rank, which holds the buffer's lease
             staged = export
         stage_time = time.monotonic() - e0
@@ -111,7 +111,7 @@ class TwoPhaseDispatch:
         self._writes.start(
             step, staged, dest, storage_options=lambda: self.storage_options, delete=staging.delete,
             on_written=written, on_failed=failed, started=e0,
-        )  # fmt: skip
+        )
         return DispatchResult(
             action="exporting", export_time_seconds=stage_time, stall_seconds=time.monotonic() - t0, **common
         )

@@ -43,6 +43,6 @@ def best(
     value, point = max(scored, key=lambda vp: (sign * vp[0], -vp[1].step))
     if as_json:
         typer.echo(json.dumps({"run": run, "step": point.step, "metric": metric, "value": value,
-                               "weight_version": point.weight_version, "flow_run_id": point.flow_run_id}))  # fmt: skip
+                               "weight_version": point.weight_version, "flow_run_id": point.flow_run_id}))
         return
     typer.echo(f"step {point.step}: {metric}={value:.4f} (weight version {point.weight_version or '-'})")

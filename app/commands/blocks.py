@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from prefect.blocks.core import Block
 
 app = typer.Typer(help="Save, show and list the blocks a point uses (suite, fleet, staging, sinks).",
-                  no_args_is_help=True)  # fmt: skip
+                  no_args_is_help=True)
 save_app = typer.Typer(help="Save one block from flags.", no_args_is_help=True)
 app.add_typer(save_app, name="save")
 
@@ -63,7 +63,7 @@ def _save(kind: str, name: str, fields: dict[str, Any], overwrite: bool) -> None
     with prefect_client() as client:
         if not overwrite and block_exists(client, kind, name):
             fail(f"a {kind} block named {name!r} exists: pass --overwrite to replace it "
-                 f"(`pinned-eval block show {kind} {name}` shows it)")  # fmt: skip
+                 f"(`pinned-eval block show {kind} {name}` shows it)")
         reset = resets(client, kind, name, block)
         block.save(name, overwrite=True)
     typer.echo(f"saved {kind} block {name!r}{reset}")
@@ -110,7 +110,7 @@ def save_suite(
         "samples_per_prompt": samples_per_prompt, "max_prompts": max_prompts, "input_key": input_key,
         "label_key": label_key, "stop": stop or [], "chat_template": chat_template, "system_prompt": system_prompt,
         "pass_at_k": pass_at_k, "point_timeout": point_timeout,
-    }, overwrite)  # fmt: skip
+    }, overwrite)
 
 
 @save_app.command("fleet")
@@ -147,7 +147,7 @@ def save_fleet(
         "model_path": model_path, "engines": engines, "backend": backend, "gpus_per_engine": gpus_per_engine,
         "lock": lock, "request_concurrency": request_concurrency, "load_timeout": load_timeout,
         "lora_mode": lora_mode,
-    }, overwrite)  # fmt: skip
+    }, overwrite)
 
 
 @save_app.command("staging")
@@ -171,7 +171,7 @@ def save_staging(
         "root": root, "source_root": source_root or [], "keep": keep, "endpoint_url": endpoint_url,
         "region": region, "s3_keys_from_env": s3_keys_from_env, "cache_dir": cache_dir,
         "cache_max_size": cache_max_size,
-    }, overwrite)  # fmt: skip
+    }, overwrite)
 
 
 @save_app.command("sinks")
@@ -199,7 +199,7 @@ def save_sinks(
         "jsonl": jsonl, "wandb_project": wandb_project, "wandb_entity": wandb_entity,
         "wandb_run_id": wandb_run_id, "wandb_writer": wandb_writer, "wandb_mode": wandb_mode,
         "wandb_dir": wandb_dir, "results_root": results_root, "results_endpoint_url": results_endpoint_url,
-    }, overwrite)  # fmt: skip
+    }, overwrite)
 
 
 @app.command("show")
@@ -295,7 +295,7 @@ def missing_blocks(names: BlockNames | None = None) -> list[str]:
     with prefect_client() as client:
         missing = [kind for kind in KINDS if not block_exists(client, kind, getattr(names, kind))]
     return [f"missing {kind} block {getattr(names, kind)!r}: create it with "
-            f"`{HOW[kind].format(name=getattr(names, kind))}`" for kind in missing]  # fmt: skip
+            f"`{HOW[kind].format(name=getattr(names, kind))}`" for kind in missing]
 
 
 def note_missing_blocks() -> None:

@@ -27,4 +27,4 @@ def demo(
     from app.demo.run import DemoOptions, run_demo  # torch, prefect: slow imports; `pinned-eval --help` stays fast
 
     run_demo(DemoOptions(steps=steps, warmup_steps=warmup_steps, eval_every=eval_every, policy=policy,
-                         port=port, exit_after=exit_after))  # fmt: skip
+                         port=port, exit_after=exit_after))

@@ -78,17 +78,17 @@ def up(
             fleet = launch_cpu_fleet(
                 model_path.resolve(), engines, state_file=path, weight_version=weight_version,
                 router_port=router_port, policy=policy, ready_timeout_s=ready_timeout_s,
-            )  # fmt: skip
+            )
         elif backend == "sglang":
             spec = SGLangFleetSpec(
                 model_path=str(model_path.resolve()), num_gpus=engines * gpus_per_engine,
                 gpus_per_engine=gpus_per_engine, base_args=_json_arg(sglang_args, "--sglang-args"),
                 overrides=_json_arg(sglang_overrides, "--sglang-overrides"), weight_version=weight_version,
-            )  # fmt: skip
+            )
             fleet = launch_sglang_fleet(
                 spec, log_dir=path.parent / "logs", state_file=path, router_port=router_port, policy=policy,
                 ready_timeout_s=ready_timeout_s,
-            )  # fmt: skip
+            )
         else:
             raise typer.BadParameter(f"unknown backend {backend!r}", param_hint="--backend")
     except LaunchError as exc:

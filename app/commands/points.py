@@ -53,10 +53,10 @@ EXIT_SKIPPED = 3
 EXIT_FAILED = 4
 # the flag naming each block a point loads, and that block's type slug
 BLOCK_FLAGS = {"suite": "pinned-eval-suite", "fleet": "pinned-eval-fleet", "staging": "pinned-eval-staging",
-               "sinks": "pinned-eval-sinks"}  # fmt: skip
+               "sinks": "pinned-eval-sinks"}
 SOURCE_FLAGS = {"kind": "--source", "path": "--source", "hf_base": "--hf-base", "source": "--source"}
 REQUEST_FLAGS = {**SOURCE_FLAGS, "run": "--run", "step": "--step", "max_in_flight": "--max-in-flight",
-                 "policy": "--policy", "posture": "--posture", **{b: f"--{b}" for b in BLOCK_FLAGS}}  # fmt: skip
+                 "policy": "--policy", "posture": "--posture", **{b: f"--{b}" for b in BLOCK_FLAGS}}
 
 RunOpt = Annotated[str, typer.Option("--run", help="Training run name, e.g. exp42.")]
 StepOpt = Annotated[int, typer.Option("--step", parser=STEP, help="Training step of the point.")]
@@ -87,7 +87,7 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
     url = current.url or recorded
     if not url:
         fail("no Prefect API: run `pinned-eval server up`, or set PREFECT_API_URL "
-             "(e.g. `export PREFECT_API_URL=http://127.0.0.1:4200/api`)", 2)  # fmt: skip
+             "(e.g. `export PREFECT_API_URL=http://127.0.0.1:4200/api`)", 2)
     try:
         configured = current.auth_string or PrefectApiSettings().api_auth_string
     except (OSError, ValueError) as exc:
@@ -100,7 +100,7 @@ def prefect_client() -> Iterator[SyncPrefectClient]:
     check_reachable(url)
     try:
         with (contextlib.nullcontext() if same else use_server(url, auth_string=auth),
-              get_client(sync_client=True) as client):  # fmt: skip
+              get_client(sync_client=True) as client):
             try:
                 yield client
             finally:
@@ -114,7 +114,7 @@ def unreachable(url: str, exc: BaseException) -> NoReturn:
     stack_home = get_settings().home
     from_home = os.environ.get("PREFECT_API_URL") != url
     hint = (f" (the server {stack_home} recorded: is it up? `pinned-eval server up`)" if from_home else
-            " (PREFECT_API_URL): is that server up? `pinned-eval server up` starts this home's")  # fmt: skip
+            " (PREFECT_API_URL): is that server up? `pinned-eval server up` starts this home's")
     fail(f"cannot reach the Prefect API at {url}{hint}: {in_words(exc)}")
 
 
@@ -214,10 +214,10 @@ def block_exists(client: SyncPrefectClient, kind: str, name: str) -> bool:
 def check_blocks(client: SyncPrefectClient, blocks: BlockNames) -> None:
     """Exit 2, naming every flag whose block is not saved on the server, before anything is sent."""
     missing = [f"--{kind}: no {slug} block named {getattr(blocks, kind)!r}" for kind, slug in BLOCK_FLAGS.items()
-               if not block_exists(client, kind, getattr(blocks, kind))]  # fmt: skip
+               if not block_exists(client, kind, getattr(blocks, kind))]
     if missing:
         fail("; ".join(missing) + "; nothing was sent. Save the blocks first (`pinned-eval block save --help`), "
-             "or name saved ones", 2)  # fmt: skip
+             "or name saved ones", 2)
 
 
 def source_text(raw: object) -> str:
@@ -280,9 +280,9 @@ def untagged_runs(client: SyncPrefectClient, run: str, step: int) -> list[Any]:
         flow_filter=FlowFilter.model_validate({"name": {"any_": [POINT_FLOW]}}),
         flow_run_filter=FlowRunFilter.model_validate({"state": {"type": {"any_": list(TERMINAL)}}}),
         sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200,
-    )  # fmt: skip
+    )
     return [fr for fr in runs if is_point_of(fr.parameters, run) and fr.parameters.get("step") == step
-            and f"run:{run}" not in (fr.tags or [])]  # fmt: skip
+            and f"run:{run}" not in (fr.tags or [])]
 
 
 def print_final(fr: Any) -> int:
@@ -370,7 +370,7 @@ def request(
                 had = source_text(last.parameters.get("source"))
                 if asked != had:
                     fail(f"{name} exists ({last.id}, {last.state_name}) with source {had}, not {asked}; nothing was "
-                         "sent: `--force-new` requests a fresh point of the step with this source", 2)  # fmt: skip
+                         "sent: `--force-new` requests a fresh point of the step with this source", 2)
                 typer.echo(f"{name} exists: {last.id} {last.state_name}; use `pinned-eval rerun` or --force-new")
                 flow_run_id = last.id
             elif early := untagged_runs(client, run, step):
@@ -378,7 +378,7 @@ def request(
                 why = f"{fr.state.name}: {fr.state.message}" if fr.state and fr.state.message else "ended early"
                 fail(f"{name} was requested before ({fr.id}) and ended before it started ({why}); the same request "
                      "again would be ignored as that point. Fix the cause, then `--force-new` requests a fresh "
-                     "point of the step", 2)  # fmt: skip
+                     "point of the step", 2)
             else:
                 sent_at = datetime.now(UTC)
                 resp = client.request("POST", "/events", json=[point_event(req, blocks)])

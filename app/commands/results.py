@@ -105,7 +105,7 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
     if {ds.name for ds in datasets} != stored:
         missing = sorted(stored - {ds.name for ds in datasets})
         fail(f"--suite: suite block {suite._block_document_name!r} has no dataset {', '.join(missing)} "
-             f"(stored for {run} step {step})", 2)  # fmt: skip
+             f"(stored for {run} step {step})", 2)
     check_custom_rewards(datasets)
     per_ds, _, rewards = score_generations(gens, datasets, suite.suite, step)
     write_samples(store, run, step, gens, rewards, table_key(table), rescored=True, link=False)
@@ -121,7 +121,7 @@ def rescore_point(run: str, step: int, suite: EvalSuiteBlock, sinks: SinksBlock)
             MetricRow(run=run, step=step, dataset=ds, state="measured", weight_version=str(step),
                       metrics={**point, **m, RESCORED: 1.0})
             for ds, m in per_ds.items()
-        ]  # fmt: skip
+        ]
         jsonl.write_point(rows)
     return per_ds
 
@@ -175,4 +175,4 @@ def demo_summary(run: str, step_a: int, step_b: int, sinks: str = "default", lim
         return []
     flips = compare_samples(store.read(run, step_a, SAMPLES), store.read(run, step_b, SAMPLES))
     return [*format_flips(run, step_a, step_b, flips, limit=limit).splitlines(),
-            f"samples of step {step_b}: {store.url(run, step_b, SAMPLES)}"]  # fmt: skip
+            f"samples of step {step_b}: {store.url(run, step_b, SAMPLES)}"]

@@ -18,7 +18,7 @@ from app.commands._cli import fail
 from pinned_eval.settings import get_settings
 
 server_app = typer.Typer(help="A local Prefect server (SQLite, filesystem lease storage) on 127.0.0.1.",
-                         no_args_is_help=True)  # fmt: skip
+                         no_args_is_help=True)
 
 
 def _stack():

@@ -136,7 +136,7 @@ def _stop_new(stack: LocalStack, before: StackState) -> None:
     """Stop the worker, warm-start server and backend host recorded now but not in `before`."""
     now = stack.state()
     pids = [pid for field in ("worker_pid", "warm_pid", "backend_host_pid")
-            if (pid := getattr(now, field)) and pid != getattr(before, field) and pid_alive(pid)]  # fmt: skip
+            if (pid := getattr(now, field)) and pid != getattr(before, field) and pid_alive(pid)]
     stop_groups(pids, grace_s=60)
 
 
@@ -163,7 +163,7 @@ def _tiny_model(home: Path, say: Callable[[str], None]) -> Path:
 
 def _save_blocks(home: Path, base: Path) -> FleetBlock:
     fleet = FleetBlock(name="demo", mode="launch", backend="cpu", engines=2, model_path=str(base),
-                       state_file=str(home / "fleet" / "fleet.json"))  # fmt: skip
+                       state_file=str(home / "fleet" / "fleet.json"))
     fleet.save(BLOCKS.fleet, overwrite=True)
     EvalSuiteBlock(suite=default_suite()).save(BLOCKS.suite, overwrite=True)
     # the baseline point reads the base model (an `hf` source): its directory is a source root
@@ -195,12 +195,12 @@ def _train_and_evaluate(
     client = EvalClient(
         RUN, api_url, blocks=BLOCKS, policy=opts.policy, max_in_flight=opts.max_in_flight,  # type: ignore[arg-type]
         staging_root=home / "staging", spool_dir=home / "spool",
-    )  # fmt: skip
+    )
     try:
         with DemoTrainer(config) as trainer:
             client.dispatch(
                 0, source=SnapshotSource(kind=SourceKind.HF, path=str(base), require_marker=False), final=False
-            )  # fmt: skip  (baseline: the untrained model, never deleted)
+            )  # baseline: the untrained model, never deleted
             say(f"training {opts.steps} steps; an eval point every {opts.eval_every} steps ...")
             t0 = time.monotonic()
             for _ in range(opts.steps):
@@ -211,7 +211,7 @@ def _train_and_evaluate(
                 if step % opts.eval_every == 0 or final:
                     res = client.dispatch(step, final=final, export=trainer.exporter())
                     say(f"  step {step:4d} {stats.phase:6s} loss {stats.loss:.3f} -> eval point {res.action} "
-                        f"(loop stalled {res.stall_seconds * 1000:.0f} ms)")  # fmt: skip
+                        f"(loop stalled {res.stall_seconds * 1000:.0f} ms)")
             say(f"training done in {time.monotonic() - t0:.0f}s; waiting for the last eval points ...")
         outcomes = client.drain(timeout=900)
     finally:

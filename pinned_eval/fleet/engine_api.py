@@ -205,7 +205,7 @@ class EngineAPI:
             )
         except httpx.TimeoutException as exc:
             return LoadOutcome(url=url, ok=False, message=f"{path}: no answer in {self.load_timeout_s}s: {exc!r}",
-                               error="timeout")  # fmt: skip
+                               error="timeout")
         except httpx.TransportError as exc:
             return LoadOutcome(url=url, ok=False, message=f"{path}: {exc!r}", error="connection")
         if resp.status_code not in (200, 400):

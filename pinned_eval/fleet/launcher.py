@@ -165,7 +165,7 @@ class LaunchedFleet:
     def client(self, config: FleetConfig | None = None, **kwargs: Any) -> FleetClient:
         """A fleet client over these engines and router, with this fleet's keys, reviving through it."""
         return FleetClient(self.engine_urls, self.router_url, config=self.client_config(config), reviver=self,
-                           **kwargs)  # fmt: skip
+                           **kwargs)
 
     @classmethod
     def load(cls, state_file: Path, *, ready_timeout_s: float = 300.0, api_key: str | None = None) -> LaunchedFleet:
@@ -320,12 +320,12 @@ def launch_cpu_fleet(
     specs = cpu_engine_specs(
         model_path, n_engines, weight_version=weight_version, api_key=keys.api, admin_api_key=keys.admin,
         tool_call_parser=tool_call_parser,
-    )  # fmt: skip
+    )
     log_dir = log_dir or (state_file.parent if state_file else Settings().home / "fleet") / "logs"
     return launch_fleet(
         specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,
         keys=keys, ready_timeout_s=ready_timeout_s,
-    )  # fmt: skip
+    )
 
 
 def launch_sglang_fleet(
@@ -347,4 +347,4 @@ def launch_sglang_fleet(
     return launch_fleet(
         specs, log_dir=log_dir, state_file=state_file, router_port=router_port, policy=policy,
         keys=keys, ready_timeout_s=ready_timeout_s,
-    )  # fmt: skip
+    )

@@ -68,10 +68,10 @@ def compare_samples(a: pa.Table, b: pa.Table, threshold: float = 1.0) -> list[Da
             if ok_a == ok_b:
                 continue
             flip = Flip(example_id=i, prompt=sa[0]["prompt"], label=sa[0]["label"], response_a=sa[0]["response"],
-                        response_b=sb[0]["response"], reward_a=ra, reward_b=rb)  # fmt: skip
+                        response_b=sb[0]["response"], reward_a=ra, reward_b=rb)
             (lost if ok_a else gained).append(flip)
         out.append(DatasetFlips(dataset=ds, examples=len(ids_a & ids_b), lost=lost, gained=gained,
-                                unmatched=len(ids_a ^ ids_b)))  # fmt: skip
+                                unmatched=len(ids_a ^ ids_b)))
     return out
 
 
@@ -88,7 +88,7 @@ def format_flips(
     for d in flips:
         lines.append(f"{d.dataset}: {d.examples} examples, {len(d.lost)} correct in A and wrong in B, "
                      f"{len(d.gained)} wrong in A and correct in B" + (f", {d.unmatched} unmatched" if d.unmatched
-                                                                       else ""))  # fmt: skip
+                                                                       else ""))
         for title, items in (("correct in A, wrong in B", d.lost), ("wrong in A, correct in B", d.gained)):
             for f in items[:limit]:
                 lines.append(f"  [{title}] #{f.example_id} prompt={cut(f.prompt)!r} label={f.label}")

@@ -40,7 +40,7 @@ class RegressionRule(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     metric: str = Field(default="eval/{ds}", pattern=r"^eval/\{ds\}[A-Za-z0-9_@^./\-]*$",
-                        description="Metric key with {ds} for the dataset name.")  # fmt: skip
+                        description="Metric key with {ds} for the dataset name.")
     baseline: Literal["best", "previous"] = Field(
         default="best", description="Compare with the best or the previous point."
     )
@@ -72,4 +72,4 @@ class RegressionRule(BaseModel):
         if self.outside_interval and high is not None and high >= base:
             return None
         return Regression(dataset=dataset, metric=key, value=value, baseline=base, baseline_step=base_step,
-                          drop=drop, ci95_high=high)  # fmt: skip
+                          drop=drop, ci95_high=high)

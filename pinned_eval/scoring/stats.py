@@ -73,7 +73,7 @@ def majority_at_k(answers: Sequence[str], correct: Sequence[bool], k: int) -> fl
     """1.0 when the majority answer of the first k samples is correct (ties: first seen wins)."""
     if len(answers) != len(correct) or not 1 <= k <= len(answers):
         raise ValueError(f"majority_at_k needs 1 <= k <= n and one verdict per answer; got k={k}, "
-                         f"{len(answers)} answers, {len(correct)} verdicts")  # fmt: skip
+                         f"{len(answers)} answers, {len(correct)} verdicts")
     first = answers[:k]
     counts = Counter(first)
     top = max(counts.values())

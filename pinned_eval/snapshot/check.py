@@ -295,7 +295,7 @@ def _config_dtype(fs: AbstractFileSystem, root: str, files: dict[str, dict[str, 
 
 
 def _check_dtypes(fs: AbstractFileSystem, root: str, files: dict[str, dict[str, Any]],
-                  headers: dict[str, _Header]) -> None:  # fmt: skip
+                  headers: dict[str, _Header]) -> None:
     wanted = None
     for fname, h in sorted(headers.items()):
         for name, dtype in sorted(h.dtypes.items()):

@@ -76,7 +76,7 @@ class StagedCollective:
 
         kwargs: dict[str, Any] = {} if self.max_shard_bytes is None else {"max_shard_bytes": self.max_shard_bytes}
         return write_snapshot(stream(), dest, plan=specs, base_hf_dir=self.base_hf_dir,
-                              storage_options=storage_options, metadata=self.metadata, **kwargs)  # fmt: skip
+                              storage_options=storage_options, metadata=self.metadata, **kwargs)
 
     def discard(self) -> None:
         """Hand the buffer back without writing (the point was not requested)."""
@@ -172,4 +172,4 @@ def collective_stage(
     return StagedCollective(
         ok=True, rank=0, tensors=views, sources=sources, converter=converter or _identity, plan=plan,
         base_hf_dir=base_hf_dir, max_shard_bytes=max_shard_bytes, metadata=metadata, pool=pool,
-    )  # fmt: skip
+    )

@@ -244,7 +244,7 @@ def export_merged(
     result = write_snapshot(
         merged, dest, base_hf_dir=str(base_dir), storage_options=storage_options, max_shard_bytes=max_shard_bytes,
         metadata={"lora_adapter": str(adapter_dir), "lora_merged": True},
-    )  # fmt: skip
+    )
     return result.path
 
 

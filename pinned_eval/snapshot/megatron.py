@@ -185,4 +185,4 @@ def stage_live_model(
         inner, pool=pool, wait=wait, base_hf_dir=base_hf_dir, converter=convert, merge=_megatron_merge,
         plan=plan, group=group, tp_group=tp_group, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
         max_shard_bytes=max_shard_bytes, metadata={"source": "megatron-live", **(metadata or {})},
-    )  # fmt: skip
+    )

@@ -56,7 +56,7 @@ class StagedTensors:
         return write_snapshot(
             self.tensors.items(), dest, plan=plan, base_hf_dir=self.base_hf_dir,
             max_shard_bytes=self.max_shard_bytes, storage_options=storage_options, metadata=self.metadata,
-        )  # fmt: skip
+        )
 
 
 class StateDictExport:

@@ -112,7 +112,7 @@ def test_blocks_register_with_the_prefect_cli(prefect_server: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "prefect", "block", "register", "-m", "blocks"],
         env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     with get_client(sync_client=True) as c:
         slugs = {bt.slug for bt in c.read_block_types()}

@@ -43,7 +43,7 @@ class Host:
         self.socket = tmp / "backends.sock"  # AF_UNIX paths are short: pytest's tmp_path fits
         self.log = open(tmp / "host.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(host_command(self.socket), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True)
         wait_host_ready(self.socket)
 
     def stop(self) -> int:
@@ -83,7 +83,7 @@ def _client_process(sock: Path, options: dict[str, object], step: int) -> subpro
         "print(sorted(set(v for r in res.data.values() for v in r.weight_versions)))\n"
     )
     return subprocess.run([sys.executable, "-c", code, json.dumps(options)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+                          text=True, timeout=120)
 
 
 def test_one_instance_serves_processes_serially_and_sigterm_disposes_it(host: Host, tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_one_instance_serves_processes_serially_and_sigterm_disposes_it(host: Ho
         assert done.stdout.strip() == f"['{step}']"
     # two points in flight at once (two threads of one process): the host serializes them
     threads = [threading.Thread(target=evaluate_hosted, args=(host.socket, BACKEND, options, f"/s{s}", _input(s)))
-               for s in (3, 4)]  # fmt: skip
+               for s in (3, 4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -156,7 +156,7 @@ def test_a_client_that_leaves_cancels_its_evaluation_and_drops_the_instance(host
     events = poll_until(
         lambda: (ev := read_lifecycle(log)) and ev[-1]["event"] == "dispose" and ev, timeout_s=30,
         what="the host to cancel the evaluation and dispose the instance",
-    )  # fmt: skip
+    )
     assert [e["event"] for e in events] == ["init", "pin", "cancelled", "dispose"]
     assert host_health(host.socket)["backends"] == []
 
@@ -176,7 +176,7 @@ def _request(deployed: Deployed, env: PointEnv, step: int, tiny: Path, options: 
     block = f"host-{options['tag']}"  # the operator's saved backend; the point names it
     ExternalBackendBlock(backend=BACKEND, options=options).save(block, overwrite=True)
     params = env.params(step, source={"kind": "hf", "path": snap}, posture="external", max_in_flight=3,
-                        backend_block=block)  # fmt: skip
+                        backend_block=block)
     with get_client(sync_client=True) as c:
         return str(c.create_flow_run_from_deployment(deployed.deployment_id, parameters=params).id)
 
@@ -196,7 +196,7 @@ def _external_blocks(tmp_path: Path, **kw: object) -> PointEnv:
 
     dead = [f"http://127.0.0.1:{free_port()}"]  # the external posture never touches the fleet
     return save_point_blocks(tmp_path, FleetBlock(name="ext", mode="attach", engine_urls=dead, router_url=dead[0]),
-                             **kw)  # type: ignore[arg-type]  # fmt: skip
+                             **kw)  # type: ignore[arg-type]
 
 
 def test_deployed_points_share_one_backend_in_the_host(deployed: Deployed, tiny_model: Path, tmp_path: Path) -> None:
@@ -232,7 +232,7 @@ def test_deployed_point_past_its_deadline_cancels_the_hosted_evaluation(
     events = poll_until(
         lambda: (ev := read_lifecycle(log)) and ev[-1]["event"] == "dispose" and ev, timeout_s=30,
         what="the host to cancel the evaluation and dispose the instance",
-    )  # fmt: skip
+    )
     assert [e["event"] for e in events] == ["init", "pin", "cancelled", "dispose"]
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert row.step == 41 and row.metrics["eval/skipped_timed_out"] == 1

@@ -22,7 +22,7 @@ RUNS = int(os.environ.get("PINNED_EVAL_COMPARE_RUNS", "5"))
 def _gen(prompt_index: int, response: str) -> dict[str, object]:
     return {"dataset": "arith", "prompt_index": prompt_index, "sample_index": 0, "prompt": f"{prompt_index}+1=",
             "label": str(prompt_index + 1), "metadata": {}, "response": response, "response_len": 1,
-            "finish_reason": "stop", "weight_version": "1"}  # fmt: skip
+            "finish_reason": "stop", "weight_version": "1"}
 
 
 @pytest.mark.timeout(600)
@@ -39,7 +39,7 @@ def test_compare_exits_0_every_time_in_a_fresh_process(prefect_server: str, tmp_
     outcomes = []
     for _ in range(RUNS):
         done = subprocess.run([sys.executable, "-m", "app.cli", "compare", "exp", "1", "2", "--sinks", "compare-exit",
-                               "--json"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+                               "--json"], env=env, capture_output=True, text=True, timeout=120)
         outcomes.append((done.returncode, done.stderr))
         assert '"prompt": "0+1="' in done.stdout, done.stdout + done.stderr
     assert outcomes == [(0, "")] * RUNS

@@ -34,7 +34,7 @@ from pinned_eval.polling import PollTimeout, poll_until
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 UI_RUN = "uicheck"  # the Skipped and Failed runs the UI check adds next to the demo's Completed ones
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -76,7 +76,7 @@ def test_make_demo_climbs_pins_every_point_shows_in_the_ui_and_leaves_nothing_ru
         ["make", "demo"], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not what a nohup'd pytest inherited
-    )  # fmt: skip
+    )
     out: list[str] = []
     ready = threading.Event()
 
@@ -136,7 +136,7 @@ def _check_history_after_exit(home: Path, ui: str, table: dict[int, str]) -> Non
 
     def pinned_eval(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+                              text=True, timeout=300)
 
     up = pinned_eval("server", "up")
     try:
@@ -167,13 +167,13 @@ def _add_skipped_and_failed_runs(api: str, tmp_path: Path, auth_file: Path) -> N
 
     settings = PrefectApiSettings(PREFECT_API_AUTH_STRING=None, PINNED_EVAL_API_AUTH_FILE=auth_file)
     with EvalClient(UI_RUN, api, staging_root=tmp_path / "ui-staging", spool_dir=tmp_path / "ui-spool",
-                    settings=settings, blocks=BLOCKS) as client:  # fmt: skip  (the demo's blocks)
+                    settings=settings, blocks=BLOCKS) as client:  # the demo's blocks
         assert client.dispatch(1, export=broken_export).action == "skipped_export_failed"
         deployment = client.rest.deployment_id("eval-point", "eval-point")
         params = {"run": UI_RUN, "step": 2, "posture": "external", **BLOCKS.model_dump(),
                   "source": SnapshotSource(kind="hf", path=str(tmp_path), require_marker=False).model_dump(mode="json")}
         resp = client.rest.create_flow_run(deployment, {"name": f"{UI_RUN}/step-2", "parameters": params,
-                                                        "tags": [f"run:{UI_RUN}", "step:2"]})  # fmt: skip
+                                                        "tags": [f"run:{UI_RUN}", "step:2"]})
         resp.raise_for_status()
         assert client.deliverer.flush(60), client.deliverer.last_error
         assert client.wait_for(1, 60).state == "skipped"
@@ -191,7 +191,7 @@ def _check_ui(ui: str, steps: list[int], screenshot: Path, auth_file: Path) -> N
         browser = pw.chromium.launch_persistent_context(
             str(screenshot.parent / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=FLAGS,
             viewport={"width": 1400, "height": 900},
-        )  # fmt: skip
+        )
         try:
             page = browser.new_page()
             page.goto(ui)
@@ -204,11 +204,11 @@ def _check_ui(ui: str, steps: list[int], screenshot: Path, auth_file: Path) -> N
             names = set(page.get_by_text("demo/step-").all_inner_texts())
             page.wait_for_load_state("networkidle")  # task-run counts and pool names load after the list
             badges = {name: badge(page, name) for name in (f"demo/step-{max(steps)}", f"{UI_RUN}/step-1",
-                                                           f"{UI_RUN}/step-2")}  # fmt: skip
+                                                           f"{UI_RUN}/step-2")}
             page.screenshot(path=str(screenshot))
         finally:
             browser.close()
     assert {f"demo/step-{s}" for s in steps} <= names, names
     assert badges == {f"demo/step-{max(steps)}": "Completed", f"{UI_RUN}/step-1": "Skipped",
-                      f"{UI_RUN}/step-2": "Failed"}, badges  # fmt: skip
+                      f"{UI_RUN}/step-2": "Failed"}, badges
     assert screenshot.stat().st_size > 10_000

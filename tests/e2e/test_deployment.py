@@ -46,7 +46,7 @@ def test_event_triggers_exactly_one_run_per_event_id(point_env: PointEnv, deploy
     # the flow-run process (a fork of the warm-start server) ships its logs to the server; the last
     # batch is flushed as the process exits, after the final state is set
     wait_for(lambda: any("Finished in state Completed" in m for m in _log_messages(fr.id)), 60,
-             "the flow run's final log line to reach the server")  # fmt: skip
+             "the flow run's final log line to reach the server")
 
 
 def test_sigkilled_flow_run_is_crashed_and_its_snapshot_retired(

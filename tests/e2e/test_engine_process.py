@@ -172,7 +172,7 @@ def test_tiny_model_cli_writes_a_loadable_snapshot(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "tiny-model", "--out", str(out), "--arch", "qwen3", "--seed", "4"],
         capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
@@ -186,4 +186,4 @@ def test_a_response_longer_than_the_context_is_refused_naming_the_suite_flag(htt
     refused = http.post("/generate", json=body)
     assert refused.status_code == 400, refused.text
     assert f"requested 3 + {context} tokens, more than the context length ({context}); lower the suite's " \
-           "max_new_tokens (`pinned-eval block save suite --max-new-tokens N`" in refused.text  # fmt: skip
+           "max_new_tokens (`pinned-eval block save suite --max-new-tokens N`" in refused.text

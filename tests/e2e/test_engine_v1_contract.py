@@ -54,7 +54,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedFleet]:
             env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
         )
         for _ in range(1)
-    ]  # fmt: skip
+    ]
     launched = launch_fleet(specs, log_dir=base / "logs", keys=keys, ready_timeout_s=120)
     try:
         yield launched
@@ -79,7 +79,7 @@ def without(reply: dict[str, Any], *keys: str) -> dict[str, Any]:
 GENERATE = {
     "input_ids": [1, 5, 6, 7], "rid": "contract-lp", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
     "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True,
-}  # fmt: skip
+}
 
 
 def test_generate_logprobs_survive_the_router_and_decode_under_sglangs_schema(
@@ -106,7 +106,7 @@ def test_completions_survive_with_string_prompts_token_ids_are_refused_by_the_ro
 ) -> None:
     protocol = zipfile.ZipFile(sglang_wheel).read(OPENAI_PROTOCOL)
     body = {"model": "tiny", "prompt": ["What is", "1+1="], "max_tokens": 1, "temperature": 0, "echo": True,
-            "logprobs": 1, "rid": "contract-cmpl", "return_token_ids": True}  # fmt: skip
+            "logprobs": 1, "rid": "contract-cmpl", "return_token_ids": True}
     direct, routed = (r.json() for r in both(fleet, "/v1/completions", body))
     assert without(routed, "created") == without(direct, "created")  # every field, logprobs included
     assert (routed["id"], routed["model"], routed["metadata"]) == ("contract-cmpl_0", "tiny", {"weight_version": "5"})
@@ -129,13 +129,13 @@ def test_completions_survive_with_string_prompts_token_ids_are_refused_by_the_ro
 def test_chat_tool_calls_survive_the_router_meta_info_and_rid_do_not(fleet: LaunchedFleet, sglang_wheel: Path) -> None:
     protocol = zipfile.ZipFile(sglang_wheel).read(OPENAI_PROTOCOL)
     body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 200, "logprobs": True,
-            "top_logprobs": 1, "return_meta_info": True, "rid": "contract-chat", "return_token_ids": True}  # fmt: skip
+            "top_logprobs": 1, "return_meta_info": True, "rid": "contract-chat", "return_token_ids": True}
     direct, routed = (r.json() for r in both(fleet, "/v1/chat/completions", body))
     for reply in (direct, routed):
         (choice,) = reply["choices"]
         assert (choice["finish_reason"], choice["message"]["content"], reply["metadata"]) == (
             "tool_calls", "", {"weight_version": "5"},
-        )  # fmt: skip
+        )
         (call,) = choice["message"]["tool_calls"]
         assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
         _conforms(reply, _fields(protocol, "ChatCompletionResponse"), "ChatCompletionResponse")
@@ -171,12 +171,12 @@ def test_a_new_weight_version_names_every_reply_through_the_router(fleet: Launch
         for _ in range(2):
             gen = httpx.post(f"{fleet.router_url}/generate", json=GENERATE, headers=headers, timeout=60).json()
             cmpl = httpx.post(f"{fleet.router_url}/v1/completions", headers=headers, timeout=60,
-                              json={"model": "m", "prompt": "hi", "max_tokens": 1}).json()  # fmt: skip
+                              json={"model": "m", "prompt": "hi", "max_tokens": 1}).json()
             chat = httpx.post(f"{fleet.router_url}/v1/chat/completions", headers=headers, timeout=60,
-                              json={"model": "m", "messages": ASK, "max_tokens": 1}).json()  # fmt: skip
+                              json={"model": "m", "messages": ASK, "max_tokens": 1}).json()
             assert (gen["meta_info"]["weight_version"], cmpl["metadata"], chat["metadata"]) == (
                 "6", {"weight_version": "6"}, {"weight_version": "6"},
-            )  # fmt: skip
+            )
     finally:
         for url in fleet.engine_urls:
             httpx.post(f"{url}/update_weight_version", json={"new_version": "5"}, headers=admin, timeout=30)
@@ -186,7 +186,7 @@ def test_lm_evals_sglang_generate_loglikelihood_batch_passes_the_router(fleet: L
     """lm-eval's `sglang-generate` scores a batch of token-id prompts through `/generate`."""
     context, prompts = [1, 5, 6], [[1, 5, 6, 7, 8], [1, 5, 6, 9]]
     body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "logprob_start_len": 0, "top_logprobs_num": 1, "return_logprob": True}  # fmt: skip
+            "logprob_start_len": 0, "top_logprobs_num": 1, "return_logprob": True}
     direct, routed = (r.json() for r in both(fleet, "/generate", body))
     assert isinstance(routed, list) and len(routed) == 2
     for d, r, ids in zip(direct, routed, prompts, strict=True):

@@ -60,12 +60,12 @@ def test_event_without_a_run_falls_back_to_a_direct_run_once(
         with EvalClient(
             point_env.run, deployed.api_url, blocks=BlockNames(**point_env.blocks), webhook_url=hook.url,
             spool_dir=tmp_path / "spool", visible_timeout_s=3.0, poll_s=0.5,
-        ) as client:  # fmt: skip
+        ) as client:
             result = client.dispatch(4, source=SnapshotSource(kind=SourceKind.STAGED, path=dest))
             assert result.action == "requested"
             wait_for(lambda: hook.received, 30, "the event's delivery")
             wait_for(lambda: (client.in_flight(), runs_of_deployment(deployed.deployment_id, point_env.run))[1],
-                     60, "the fallback run")  # fmt: skip
+                     60, "the fallback run")
             [outcome] = client.drain(timeout=240)
     finally:
         hook.close()

@@ -41,7 +41,7 @@ class Example:
             [sys.executable, str(REPO / "examples" / name), *args],
             cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+        )
         self._out: tuple[str, str] | None = None
         self.run_dir: Path | None = None  # a self-contained run's directory (its state files)
 
@@ -94,7 +94,7 @@ def concurrent(on_stack: list[str], tmp_path_factory: pytest.TempPathFactory) ->
         started["self-contained"] = Example(
             "fleet_posture_pytorch_loop.py", "--self-contained", "--work-dir", str(own), "--run", "own",
             "--steps", "2", "--every", "2",
-        )  # fmt: skip
+        )
         started["self-contained"].run_dir = own / "own"
         yield started
     finally:
@@ -130,7 +130,7 @@ def run_alone(name: str, *args: str) -> tuple[str, dict[int, dict[str, str]]]:
 
 def test_shared_posture_gate(on_stack: list[str], tmp_path: Path) -> None:
     stdout, points = run_alone("shared_posture_gate.py", *on_stack, "--work-dir", str(tmp_path), "--steps", "2",
-                               "--every", "2")  # fmt: skip
+                               "--every", "2")
     assert sorted(points) == [2], stdout
     assert_measured_at_step(points[2], 2)  # the live engines, at the version the trainer pushed
     assert points[2]["gate_open"] == "True" and points[2]["gate_closed_times"] == "1", stdout

@@ -57,7 +57,7 @@ def _model_info(url: str, api_key: str | None = None) -> dict:
 async def test_launched_cpu_server_waits_pins_then_evals(tiny_model: Path, tmp_path: Path) -> None:
     snap = _snapshot(tiny_model, tmp_path, 5)
     backend = SGLangCheckpointEval(launch="cpu", model_path=str(tiny_model), log_dir=str(tmp_path / "logs"),
-                                   api_key="ext-data-key", admin_api_key="ext-admin-key")  # fmt: skip
+                                   api_key="ext-data-key", admin_api_key="ext-admin-key")
     launched = backend.launched
     assert launched is not None and is_running(launched)
     try:

@@ -34,7 +34,7 @@ OWN_ROWS = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in (1, 2, 3) f
 
 def pe(*args: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                          text=True, timeout=timeout)
 
 
 def key_file(path: Path, key: str) -> Path:
@@ -83,7 +83,7 @@ def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
     # a source outside the staging block's roots: refused before anything is sent, in words
     (proj / "elsewhere").mkdir()
     done = pe("request", "--run", run, "--step", "0", "--source", "hf:elsewhere", f"--staging={name}",
-              f"--suite={name}-miles", f"--fleet={name}", f"--sinks={name}", env=env, cwd=proj)  # fmt: skip
+              f"--suite={name}-miles", f"--fleet={name}", f"--sinks={name}", env=env, cwd=proj)
     assert done.returncode == 2 and done.stderr.startswith(f"error: --source: {proj / 'elsewhere'} is outside the "
                                                            f"source roots of staging block {name!r}"), done.stderr
     assert "nothing was sent" in done.stderr and "SourceOutsideRoots" not in done.stderr
@@ -96,23 +96,23 @@ def test_own_dataset_and_yaml_to_a_measured_point_through_the_cli(
     with get_client(sync_client=True) as client:
         early = client.create_flow_run_from_deployment(deployed.deployment_id, parameters={
             "run": run, "step": 7, "source": {"kind": "hf", "path": str(proj / "elsewhere")}, "suite": f"{name}-miles",
-            **{k: name for k in ("fleet", "staging", "sinks")}})  # fmt: skip
+            **{k: name for k in ("fleet", "staging", "sinks")}})
         poll_until(lambda: ((fr := client.read_flow_run(early.id)).state and fr.state.is_final()) or None,
-                   timeout_s=240, interval_s=0.5, what="the early failure")  # fmt: skip
+                   timeout_s=240, interval_s=0.5, what="the early failure")
     done = pe("rerun", "--run", run, "--step", "7", env=env, cwd=proj)
     assert done.returncode == 1 and done.stderr.startswith(f"error: {run}/step-7 ({early.id}) ended before it "
                                                            "started"), done.stderr
     assert done.stderr.rstrip().endswith(f"request it again: `pinned-eval request --run {run} --step 7 --source "
                                          f"hf:{proj / 'elsewhere'} --force-new`"), done.stderr
     done = pe("request", "--run", run, "--step", "7", "--source", "hf:ckpt/tiny", f"--suite={name}-miles",
-              *(f"--{k}={name}" for k in ("fleet", "staging", "sinks")), env=env, cwd=proj)  # fmt: skip
+              *(f"--{k}={name}" for k in ("fleet", "staging", "sinks")), env=env, cwd=proj)
     assert done.returncode == 2 and f"was requested before ({early.id}) and ended before it started" in done.stderr
     assert "`--force-new` requests a fresh point of the step" in done.stderr, done.stderr
 
     # a relative source: made absolute here, where the user typed it (the worker runs elsewhere)
     done = pe("request", "--run", run, "--step", "0", "--source", "hf:ckpt/tiny", f"--suite={name}-miles",
               *(f"--{k}={name}" for k in ("fleet", "staging", "sinks")), "--wait", "--timeout", "240",
-              env=env, cwd=proj, timeout=400)  # fmt: skip
+              env=env, cwd=proj, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
     assert ": Completed (completed)" in done.stdout.splitlines()[-1], done.stdout
     done = pe("status", "--run", run, "--json", env=env, cwd=proj)
@@ -159,7 +159,7 @@ def test_block_verbs_save_show_list_and_name_missing_blocks(
     assert cli("block", "save", "suite", name, "--dataset", "t=d.jsonl", "--max-new-tokens", "3") == (
         0, f"saved suite block {name!r}\n")
     assert cli("block", "save", "fleet", name, "--launch", "--state-file", "fleet.json",
-               "--admin-api-key-file", str(key)) == (0, f"saved fleet block {name!r}\n")  # fmt: skip
+               "--admin-api-key-file", str(key)) == (0, f"saved fleet block {name!r}\n")
     assert cli("block", "save", "staging", name, "--root", "st", "--source-root", "ck") == (
         0, f"saved staging block {name!r}\n")
     assert cli("block", "save", "sinks", name, "--jsonl", "m.jsonl") == (0, f"saved sinks block {name!r}\n")
@@ -167,7 +167,7 @@ def test_block_verbs_save_show_list_and_name_missing_blocks(
 
     code, out = cli("block", "save", "staging", name, "--root", "other")
     assert (code, out.strip()) == (1, f"error: a staging block named {name!r} exists: pass --overwrite to replace "
-                                      f"it (`pinned-eval block show staging {name}` shows it)")  # fmt: skip
+                                      f"it (`pinned-eval block show staging {name}` shows it)")
     assert StagingBlock.load(name).root == str(tmp_path / "st")
     assert cli("block", "save", "staging", name, "--root", "other", "--overwrite")[0] == 0
     assert StagingBlock.load(name).root == str(tmp_path / "other")
@@ -186,7 +186,7 @@ def test_block_verbs_save_show_list_and_name_missing_blocks(
     assert code == 0 and {f"{k:<8} {name}" for k in ("suite", "fleet", "staging", "sinks")} <= set(out.splitlines())
     code, out = cli("block", "show", "sinks", "nope-nope")
     assert (code, out.strip()) == (1, "error: no sinks block named 'nope-nope': create it with `pinned-eval block "
-                                      "save sinks nope-nope --jsonl FILE`")  # fmt: skip
+                                      "save sinks nope-nope --jsonl FILE`")
     code, out = cli("block", "show", "stagin", name)
     assert (code, out.strip()) == (2, "error: KIND: 'stagin' is not one of suite, fleet, staging, sinks, backend")
 

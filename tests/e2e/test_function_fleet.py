@@ -69,7 +69,7 @@ def fleet(model: Path) -> Iterator[LaunchedFleet]:
         CpuEngineArgs(model_path=str(model), port=free_port(), weight_version="5", api_key=keys.api,
                       admin_api_key=keys.admin, scripted_completions=str(rules), tool_call_parser="qwen25"),
         env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-    )  # fmt: skip
+    )
     launched = launch_fleet([spec], log_dir=model.parent / "logs", keys=keys, ready_timeout_s=120)
     try:
         yield launched
@@ -112,13 +112,13 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
 
 def _ds(name: str, function: str, reward: str, max_new_tokens: int = 48, **kw: object):  # type: ignore[no-untyped-def]
     spec = DatasetSpec(name=name, path=f"/{name}.jsonl", generate_function=function, reward=reward,
-                       temperature=0.0, max_new_tokens=max_new_tokens, **kw)  # type: ignore[arg-type]  # fmt: skip
+                       temperature=0.0, max_new_tokens=max_new_tokens, **kw)  # type: ignore[arg-type]
     [ds] = EvalSuite(datasets=(spec,)).resolved()
     return ds
 
 
 async def _point(fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path, ds, rows, *,  # type: ignore[no-untyped-def]
-                 version: str = "5", limits: GatewayLimits | None = None) -> list[Sample]:  # fmt: skip
+                 version: str = "5", limits: GatewayLimits | None = None) -> list[Sample]:
     assert fleet.router_url is not None and fleet.keys is not None
     gen = RouterGenerator(http, fleet.router_url, api_key=fleet.keys.api)
     session = PointSession(gen, expected_version=version, rid_prefix=f"p{version}", tokenizer_dir=str(model))

@@ -34,7 +34,7 @@ CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(2
 TOOLS = [{"type": "function", "function": {"name": "code_interpreter", "parameters": {"type": "object"}}}]
 ASK = [{"role": "user", "content": "What is 2+2?"}]
 RULES = [{"prompt_contains": "<tool_response>", "completion": "The answer is 4."},
-         {"prompt_contains": "What is 2+2?", "completion": CALL}]  # fmt: skip
+         {"prompt_contains": "What is 2+2?", "completion": CALL}]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedFleet]:
         CpuEngineArgs(model_path=str(model), port=free_port(), weight_version="5", api_key=keys.api,
                       admin_api_key=keys.admin, tool_call_parser="qwen25", scripted_completions=str(rules)),
         env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-    )  # fmt: skip
+    )
     launched = launch_fleet([spec], log_dir=base / "logs", keys=keys, ready_timeout_s=120)
     try:
         yield launched

@@ -31,7 +31,7 @@ def clean_env(home: Path) -> dict[str, str]:
 
 def pinned_eval(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=clean_env(home),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -65,16 +65,16 @@ def test_a_fresh_home_refuses_bad_requests_before_sending_and_keeps_its_server_p
     bad_path = pinned_eval(home, "request", "--run", "newbie", "--step", "3", "--source", f"hf:{missing}")
     assert (bad_path.returncode, bad_path.stderr.strip()) == (
         2, f"error: --source: {missing} does not exist; nothing was sent"
-    )  # fmt: skip
+    )
 
     missing.mkdir(parents=True)
     no_blocks = pinned_eval(home, "request", "--run", "newbie", "--step", "3", "--source", f"hf:{missing}",
-                            "--fleet", "gpu-node")  # fmt: skip
+                            "--fleet", "gpu-node")
     assert (no_blocks.returncode, no_blocks.stderr.strip()) == (2, (
         "error: --suite: no pinned-eval-suite block named 'default'; --fleet: no pinned-eval-fleet block named "
         "'gpu-node'; --staging: no pinned-eval-staging block named 'default'; --sinks: no pinned-eval-sinks block "
         "named 'default'; nothing was sent. Save the blocks first (`pinned-eval block save --help`), or name saved ones"
-    ))  # fmt: skip
+    ))
 
     with prefect_rest_client(f"{ui}/api", headers={"Authorization": _basic(credential)}) as rest:
         runs = rest.post("/flow_runs/filter", json={"limit": 10})

@@ -36,7 +36,7 @@ METRIC = "eval/arith_add"
 def best_env(prefect_server: str, tmp_path: Path) -> PointEnv:
     """Blocks of a run whose staging keeps a ring of 1 and its best step by METRIC; no fleet."""
     dead = FleetBlock(name=f"d{uuid.uuid4().hex[:6]}", mode="attach", engine_urls=["http://127.0.0.1:9"],
-                      router_url="http://127.0.0.1:9")  # fmt: skip
+                      router_url="http://127.0.0.1:9")
     env = save_point_blocks(tmp_path, dead, keep_snapshots=1)
     block = StagingBlock.load(env.blocks["staging"])
     block.keep_best, block.keep_best_metric = 1, METRIC
@@ -75,7 +75,7 @@ def test_janitor_retires_keep_the_best_step_and_trim_the_ring(best_env: PointEnv
     # a crash: step 5's point is a zombie
     fr = _flow_run(env, 5, Running(), source={"kind": "staged", "path": paths[5]})
     stuck = StuckPoint(flow_run_id=fr, name=f"{env.run}/step-5", run=env.run, step=5, state="Running",
-                       last_activity=datetime.now(UTC), quiet_seconds=700.0)  # fmt: skip
+                       last_activity=datetime.now(UTC), quiet_seconds=700.0)
     assert crash_point(stuck, 600.0) == [paths[5]]
     assert _left(env) == [1, 5]  # ring [5], best [1]
 
@@ -85,7 +85,7 @@ def test_a_crashed_point_is_alerted_once_whoever_ends_it(best_env: PointEnv) -> 
     # two janitor passes both read step 5 Running; the second's Crashed transition is refused
     fr5 = _flow_run(env, 5, Running())
     stuck = StuckPoint(flow_run_id=fr5, name=f"{env.run}/step-5", run=env.run, step=5, state="Running",
-                       last_activity=datetime.now(UTC), quiet_seconds=700.0)  # fmt: skip
+                       last_activity=datetime.now(UTC), quiet_seconds=700.0)
     assert crash_point(stuck, 600.0) == []  # crashed (no snapshot to retire)
     assert crash_point(stuck, 600.0) is None  # the run ended meanwhile: nothing done
     # step 6 ended by the worker: it proposes Crashed, then runs the hook; a janitor pass follows

@@ -41,7 +41,7 @@ def _env(tmp_path: Path, cpu_fleet: CpuFleet, proxies: list[RecordingProxy], mod
     fleet = FleetBlock(
         name=f"lora-{mode}", mode="attach", engine_urls=[p.url for p in proxies], router_url=cpu_fleet.router_url,
         lora_mode=mode, **cpu_fleet.block_keys(),
-    )  # fmt: skip
+    )
     return save_point_blocks(tmp_path, fleet, keep_snapshots=keep)
 
 
@@ -83,7 +83,7 @@ def test_adapter_mode_points_measure_exactly_their_adapter(
         lora_calls = [(p, b) for _, p, b in proxy.requests if p in ("/load_lora_adapter", "/unload_lora_adapter")]
         assert [(p, b["lora_name"]) for p, b in lora_calls] == [
             ("/load_lora_adapter", "3"), ("/unload_lora_adapter", "3"), ("/load_lora_adapter", "4")
-        ]  # fmt: skip
+        ]
         assert lora_calls[2][1]["lora_path"] == staged4
         assert not proxy.bodies("/update_weights_from_disk") or all(
             b["model_path"] == str(tiny_model) for b in proxy.bodies("/update_weights_from_disk")
@@ -130,7 +130,7 @@ def test_bad_adapters_are_typed_skips_naming_the_file(
     # complete, but made for another base (hidden 32, not 64): every engine refuses it at load
     narrow = make_tiny_model(tmp_path / "narrow", hidden_size=32)
     s3 = _run(env, 3, {"kind": "lora", "path": str(make_tiny_adapter(narrow, tmp_path / "wrong", seed=2)),
-                       "hf_base": str(tiny_model)})  # fmt: skip
+                       "hf_base": str(tiny_model)})
     assert s3.name == "Skipped" and s3.message.startswith("pin_violation"), s3.message
     assert "adapter_model.safetensors: model.layers." in s3.message
     assert not any(str(b.get("rid")).startswith(f"{env.run}-") for p in proxies for b in p.bodies("/generate"))
@@ -164,7 +164,7 @@ def test_an_engine_that_claims_a_load_it_did_not_do_is_a_pin_violation(
     liar = LoraLoadLiar(cpu_fleet.engine_urls[0])
     try:
         fleet = FleetBlock(name="lora-liar", mode="attach", engine_urls=[liar.url, proxies[1].url],
-                           router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())  # fmt: skip
+                           router_url=cpu_fleet.router_url, **cpu_fleet.block_keys())
         env = save_point_blocks(tmp_path, fleet, keep_snapshots=0)
         adapter = make_tiny_adapter(tiny_model, tmp_path / "adapter", seed=6)
         state = _run(env, 6, {"kind": "lora", "path": str(adapter), "hf_base": str(tiny_model)})

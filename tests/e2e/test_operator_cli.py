@@ -48,7 +48,7 @@ def cli_process(*args: str, timeout: float = 300) -> tuple[int, str, str]:
     """The real `pinned-eval` in a subprocess, on the session's server (its URL and credential
     in the inherited environment: exported variables win over any home)."""
     out = subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=dict(os.environ),
-                         capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                         capture_output=True, text=True, timeout=timeout)
     return out.returncode, out.stdout, out.stderr
 
 
@@ -73,7 +73,7 @@ def test_rerun_retries_a_failed_point_in_place_and_status_shows_both_attempts(
     env = explode_env
     dest = staged(env, 5, tiny_model)
     code, out, err = cli_process("request", "--run", env.run, "--step", "5", "--source", f"staged:{dest}",
-                                 *block_opts(env), "--wait", "--timeout", "240")  # fmt: skip
+                                 *block_opts(env), "--wait", "--timeout", "240")
     assert code == 4, out + err  # EXIT_FAILED
     assert "Failed" in out.splitlines()[-1], out
 
@@ -143,7 +143,7 @@ def test_a_mistyped_source_is_skipped_with_exit_3_and_the_right_one_needs_force_
     typo = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, 9)
     Path(typo).mkdir(parents=True)  # exists, but holds no snapshot
     code, out, err = cli_process("request", "--run", env.run, "--step", "9", "--source", f"staged:{typo}",
-                                 *block_opts(env), "--wait", "--timeout", "240")  # fmt: skip
+                                 *block_opts(env), "--wait", "--timeout", "240")
     assert code == 3, out + err  # EXIT_SKIPPED
     assert f"{env.run}/step-9" in out.splitlines()[-1] and ": Skipped (completed) ckpt_missing" in out, out
 
@@ -153,11 +153,11 @@ def test_a_mistyped_source_is_skipped_with_exit_3_and_the_right_one_needs_force_
 
     right = write_step_snapshot(tiny_model, str(tmp_path / "ckpt" / "step_9"))
     code, out, err = cli_process("request", "--run", env.run, "--step", "9", "--source", f"hf:{right}",
-                                 *block_opts(env))  # fmt: skip
+                                 *block_opts(env))
     assert code == 2, out + err
     assert f"with source staged:{typo}, not hf:{right}; nothing was sent: `--force-new` requests a fresh point" in err
     code, out, err = cli_process("request", "--run", env.run, "--step", "9", "--source", f"hf:{right}",
-                                 *block_opts(env), "--force-new", "--wait", "--timeout", "240")  # fmt: skip
+                                 *block_opts(env), "--force-new", "--wait", "--timeout", "240")
     assert code == 0, out + err
     assert ": Completed (completed)" in out.splitlines()[-1], out
     code, out = cli("status", "--run", env.run, "--json")
@@ -167,7 +167,7 @@ def test_a_mistyped_source_is_skipped_with_exit_3_and_the_right_one_needs_force_
     gone = tmp_path / "ckpt" / "step_10"
     gone.mkdir()  # no marker: skipped; then deleted, so a rerun cannot use it
     code, out = cli("request", "--run", env.run, "--step", "10", "--source", f"hf:{gone}", *block_opts(env),
-                    "--wait", "--timeout", "240")  # fmt: skip
+                    "--wait", "--timeout", "240")
     assert code == 3, out
     gone.rmdir()
     code, out = cli("rerun", "--run", env.run, "--step", "10")
@@ -187,7 +187,7 @@ def test_rerun_and_status_refuse_what_they_cannot_do(point_env: PointEnv, tmp_pa
     assert code == 2 and "must end in .png or .html" in out
     code, out = cli("request", "--run", point_env.run, "--step", "1", "--source", "weird:/x")
     assert (code, out.strip()) == (2, "error: --source: 'weird:/x' must be KIND:PATH with KIND one of hf, staged, "
-                                      "megatron, state_dict, lora")  # fmt: skip
+                                      "megatron, state_dict, lora")
 
 
 def _start_point_process(env: PointEnv, step: int, dest: str, log: Path) -> subprocess.Popen[bytes]:

@@ -52,7 +52,7 @@ def test_a_deadline_during_generation_times_out_and_frees_the_fleet(
     router = StallingRouter(cpu_fleet.router_url)
     try:
         fleet = FleetBlock(name=f"stall{uuid.uuid4().hex[:6]}", mode="attach", engine_urls=cpu_fleet.engine_urls,
-                           router_url=router.url, **cpu_fleet.block_keys())  # fmt: skip
+                           router_url=router.url, **cpu_fleet.block_keys())
         env = save_point_blocks(tmp_path, fleet, keep_snapshots=0, point_timeout_seconds=20)
         src = _staged(env, 51, tiny_model)
         state = eval_point(**env.params(51, source=src, max_in_flight=1), return_state=True)
@@ -68,7 +68,7 @@ def test_a_deadline_during_generation_times_out_and_frees_the_fleet(
         router.release.set()  # the router answers again: the next point of the run is measured
         EvalSuiteBlock(suite=SMALL_SUITE).save(fast := f"{env.blocks['suite']}-fast")
         state = eval_point(**env.params(52, source=_staged(env, 52, tiny_model), max_in_flight=1, suite=fast),
-                           return_state=True)  # fmt: skip
+                           return_state=True)
         assert state.name == "Completed", state.message
         measured = [(r.step, r.weight_version) for r in JsonlSink(env.jsonl).read(env.run) if r.state == "measured"]
         assert measured == [(52, "52"), (52, "52")]

@@ -69,7 +69,7 @@ def test_cadence_runs_the_due_datasets_and_the_final_point_all(
     assert out.exit_code == 0, out.output
     assert json.loads(out.output) == {"run": env.run, "step": 150, "metric": "eval/arith_sub",
                                       "value": rows[150, "arith_sub"]["eval/arith_sub"], "weight_version": "150",
-                                      "flow_run_id": str(final.state_details.flow_run_id)}  # fmt: skip
+                                      "flow_run_id": str(final.state_details.flow_run_id)}
     missing = CliRunner().invoke(cli_app, ["best", env.run, "--metric", "eval/nonexistent"])
     assert missing.exit_code == 1 and "no measured point" in missing.output
 
@@ -133,7 +133,7 @@ def alert_automations(prefect_server: str, receiver: tuple[str, list[dict[str, s
 
     def live() -> bool:
         event = {"id": str(uuid.uuid4()), "occurred": datetime.now(UTC).isoformat(), "event": EVENT_SKIPPED,
-                 "resource": point_resource(canary, 1), "payload": {"reason": "canary"}}  # fmt: skip
+                 "resource": point_resource(canary, 1), "payload": {"reason": "canary"}}
         with prefect_rest_client(timeout=10) as http:
             post_events(prefect_server, [event], client=http)
         return any(canary in b["subject"] for b in bodies)
@@ -187,7 +187,7 @@ def test_regression_skip_and_failure_reach_a_webhook_through_real_automations(
 
     def notified() -> dict[str, dict[str, str]] | None:
         seen = {kind: b for b in bodies for kind in ALERT_EVENTS if b["subject"].startswith(
-            f"pinned-eval: {env.run}/step-") and b["subject"].endswith(kind)}  # fmt: skip
+            f"pinned-eval: {env.run}/step-") and b["subject"].endswith(kind)}
         return seen if len(seen) == len(ALERT_EVENTS) else None
 
     seen = poll_until(notified, timeout_s=90, interval_s=0.5, what="failed, skipped and regressed notifications")
@@ -195,7 +195,7 @@ def test_regression_skip_and_failure_reach_a_webhook_through_real_automations(
     payload = json.loads(seen["regressed"]["body"].splitlines()[-1])
     assert payload == {"dataset": "arith_add", "metric": "eval/arith_add", "value": row.metrics["eval/arith_add"],
                        "baseline": 1.0, "baseline_step": 10, "drop": 1.0 - row.metrics["eval/arith_add"],
-                       "ci95_high": row.metrics["eval/arith_add/ci95_high"]}  # fmt: skip
+                       "ci95_high": row.metrics["eval/arith_add/ci95_high"]}
     assert seen["skipped"]["subject"] == f"pinned-eval: {env.run}/step-30 skipped"
     assert seen["failed"]["subject"] == f"pinned-eval: {env.run}/step-40 failed"
     assert f"run {env.run}, step 40, dataset -" in seen["failed"]["body"]

@@ -85,11 +85,11 @@ def test_points_keep_their_samples_and_compare_shows_the_flips(
         ds = datasets[r["dataset"]]
         params = {k: v for k, v in ds.sampling_params().items() if k != "stop"}
         out = httpx.post(f"{cpu_fleet.router_url}/generate", headers=cpu_fleet.headers(), timeout=60,
-                         json={"text": r["prompt"], "sampling_params": params}).json()  # fmt: skip
+                         json={"text": r["prompt"], "sampling_params": params}).json()
         assert r["response"] == out["text"]
         assert (r["weight_version"], r["finish_reason"]) == ("2", out["meta_info"]["finish_reason"]["type"])
         assert (r["prompt_tokens"], r["completion_tokens"]) == (
-            out["meta_info"]["prompt_tokens"], out["meta_info"]["completion_tokens"])  # fmt: skip
+            out["meta_info"]["prompt_tokens"], out["meta_info"]["completion_tokens"])
         assert r["reward"] == text_parity(r["response"], "")
         assert json.loads(r["label"]) == ds_label(ds.path, r["example_id"])
     # the JSONL rows are the metric rows they always were, and agree with the samples
@@ -127,7 +127,7 @@ def test_points_keep_their_samples_and_compare_shows_the_flips(
         for f in d["lost"] + d["gained"]:
             key = (d["dataset"], f["example_id"])
             assert (f["response_a"], f["response_b"], f["prompt"]) == (a[key]["response"], b[key]["response"],
-                                                                        a[key]["prompt"])  # fmt: skip
+                                                                        a[key]["prompt"])
     code, text = cli("compare", env.run, "1", "2", "--sinks", env.blocks["sinks"])
     assert code == 0 and f"{len([k for k in lost if k[0] == 'arith_add'])} correct in A and wrong in B" in text
 
@@ -232,7 +232,7 @@ def test_compare_and_rescore_refuse_what_they_cannot_read(prefect_server: str, t
     assert store is not None
     gen = {"dataset": "elsewhere", "prompt_index": 0, "sample_index": 0, "prompt": "1+1=", "label": "2",
            "metadata": {}, "response": "2", "response_len": 1, "finish_reason": "stop",
-           "weight_version": "1"}  # fmt: skip
+           "weight_version": "1"}
     store.write("exp", 1, SAMPLES, samples_table([{**generation_row(gen), "reward": 1.0}], key=None))
     store.write("exp", 1, GENERATIONS, generations_table([generation_row(gen)], "k"))
     code, out = cli("compare", "exp", "1", "2", "--sinks", "a-results-store")

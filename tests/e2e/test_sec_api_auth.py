@@ -81,10 +81,10 @@ print(json.dumps(out))
 def _cli(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`pinned-eval ARGS` with the home only: no Prefect URL or credential in the environment."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PINNED_EVAL_API_AUTH_FILE")}  # fmt: skip
+           if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PINNED_EVAL_API_AUTH_FILE")}
     env.update(PINNED_EVAL_HOME=str(home), PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                          text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_a_neighbour_gets_401_from_the_api_and_cannot_read_the_credential(
         "health": 200,  # reachable: what refuses the rest is the auth string
         "block secrets": 401, "deployment": 401, "create flow run": 401, "new flow": 401, "post events": 401,
         "variables": 401,
-    }  # fmt: skip
+    }
 
     auth_file = home / "api-auth"
     files = [str(auth_file), str(home / "prefect" / "prefect.db"), str(home / "prefect" / "server.log")]

@@ -31,7 +31,7 @@ class Host:
         sock.parent.mkdir(mode=0o700, exist_ok=True)  # the operator's private directory
         with open(log, "a") as out:
             self.proc = subprocess.Popen(host_command(sock), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+                                         start_new_session=True)
         wait_host_ready(sock)
 
     def kill(self) -> None:
@@ -93,7 +93,7 @@ def _client(sock: Path, options: dict[str, str], step: int) -> subprocess.Popen[
         "print(sorted({v for r in res.data.values() for v in r.weight_versions}))\n"
     )
     return subprocess.Popen([sys.executable, "-c", code, str(sock), json.dumps(options), str(step)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_sync_backend_whose_client_left_holds_its_configuration_until_its_call_returns(
@@ -117,7 +117,7 @@ def test_a_sync_backend_whose_client_left_holds_its_configuration_until_its_call
         # the host noticed the first client left, and the second point is queued (or, broken: it pinned)
         poll_until(lambda: ("pin", "2") in events() or (
             "the client left during a synchronous evaluation" in host.log.read_text()
-            and host_health(sock).get("waiting") == 1), timeout_s=60, what="the second point to queue")  # fmt: skip
+            and host_health(sock).get("waiting") == 1), timeout_s=60, what="the second point to queue")
         assert ("pin", "2") not in events(), f"the second point pinned while the first still ran: {events()}"
         (gate / "release-1").touch()  # the first's call returns
         poll_until(lambda: ("pin", "2") in events(), timeout_s=60, what="the second point's pin")
@@ -130,6 +130,6 @@ def test_a_sync_backend_whose_client_left_holds_its_configuration_until_its_call
     assert [(e["event"], e["version"]) for e in lifecycle] == [
         ("init", None), ("pin", "1"), ("evaluated", "1"), ("dispose", None),  # dropped as a cancelled one
         ("init", None), ("pin", "2"), ("evaluated", "2"),
-    ]  # fmt: skip
+    ]
     [entry] = host_health(sock)["backends"]
     assert entry["evaluations"] == 1 and host_health(sock)["waiting"] == 0

@@ -64,7 +64,7 @@ def keyed_fleet(tiny_model_dir: Path, neighbour: Neighbour) -> Iterator[tuple[La
     shared.chmod(0o1777)
     api_key, admin_key = f"sk-data-{uuid.uuid4().hex}", f"sk-admin-{uuid.uuid4().hex}"
     fleet = launch_cpu_fleet(tiny_model_dir, 1, state_file=shared / "fleet" / "fleet.json", api_key=api_key,
-                             admin_api_key=admin_key, weight_version="5", ready_timeout_s=180)  # fmt: skip
+                             admin_api_key=admin_key, weight_version="5", ready_timeout_s=180)
     try:
         yield fleet, shared, api_key, admin_key
     finally:
@@ -114,7 +114,7 @@ def test_fleet_up_without_keys_refuses_a_neighbours_weight_swap(
     state = shared_dir / "cli" / "fleet.json"
     cli = [sys.executable, "-m", "app.cli", "fleet"]
     up = subprocess.run([*cli, "up", "--engines", "1", "--model-path", str(tiny_model_dir), "--weight-version", "9",
-                         "--state-file", str(state)], capture_output=True, text=True, timeout=240)  # fmt: skip
+                         "--state-file", str(state)], capture_output=True, text=True, timeout=240)
     try:
         assert up.returncode == 0, up.stderr
         lines = dict(line.split(" ", 1) for line in up.stdout.splitlines())
@@ -173,7 +173,7 @@ def test_launch_failure_message_carries_no_key(tmp_path: Path, neighbour: Neighb
     api_key, admin_key = f"sk-data-{uuid.uuid4().hex}", f"sk-admin-{uuid.uuid4().hex}"
     with pytest.raises(LaunchError) as err:
         launch_cpu_fleet(not_a_model, 1, state_file=shared_dir / "bad" / "fleet.json", api_key=api_key,
-                         admin_api_key=admin_key, ready_timeout_s=120)  # fmt: skip
+                         admin_api_key=admin_key, ready_timeout_s=120)
     text = str(err.value)
     assert "exited before it was healthy" in text and "is not a directory" in text, text
     chain = [err.value, err.value.__cause__, err.value.__context__]

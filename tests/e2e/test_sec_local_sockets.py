@@ -59,7 +59,7 @@ class Companion:
         command = warm if kind == "warm-start" else host_command(sock)
         with open(log, "a") as out:
             self.proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def exit_or_listen(self) -> int | None:
         """Wait until the process exits (its exit code) or accepts connections on its socket (None)."""
@@ -166,7 +166,7 @@ def _foreign(d: Path, who: Neighbour) -> None:
 def test_an_unsafe_socket_directory_is_refused(
     kind: str, prepare: Callable[[Path, Neighbour], None], problem: str, neighbour: Neighbour, shared_dir: Path,
     companions: list[Companion], tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     d = shared_dir / "worker"
     prepare(d, neighbour)
     server = _start(companions, kind, d / f"{kind}.sock", tmp_path)
@@ -190,7 +190,7 @@ def test_a_stale_socket_is_replaced_a_live_one_refused(
     inode = os.lstat(sock).st_ino
     second = _start(companions, kind, sock, tmp_path)
     exited = poll_until(lambda: second.proc.poll() is not None or os.lstat(sock).st_ino != inode, timeout_s=120,
-                        what="the second server to exit or take the socket")  # fmt: skip
+                        what="the second server to exit or take the socket")
     assert exited and os.lstat(sock).st_ino == inode, "a second server on a live socket must not take it"
     assert second.proc.returncode in (1, 2)
     assert f"socket path {sock}: a server is already listening there" in second.log.read_text()
@@ -227,7 +227,7 @@ class Squatter:
         self.out = sock.with_suffix(".got")
         self.proc = subprocess.Popen([SYSTEM_PYTHON, "-c", SQUAT, str(sock), str(self.out)], user=who.uid,
                                      group=who.gid, extra_groups=[], env={"PATH": "/usr/bin:/bin"}, cwd="/",
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+                                     stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
 
     def received(self) -> bytes:
@@ -247,7 +247,7 @@ def test_the_warm_start_client_never_talks_to_a_squatted_socket(neighbour: Neigh
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         env.update({SOCKET_ENV: str(sock), "PREFECT_API_AUTH_STRING": "admin:the-secret"})
         done = subprocess.run([sys.executable, "-S", str(CLIENT), "not-a-flow-run-id"], env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+                              capture_output=True, text=True, timeout=120)
         got = squatter.received()
     finally:
         squatter.stop()

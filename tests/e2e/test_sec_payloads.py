@@ -93,9 +93,9 @@ def test_a_saved_backend_block_runs_and_its_secret_stays_out_of_parameters(
     ExternalBackendBlock(
         backend="tests.sec_backends:RecordingBackend", options={"record": str(record)},
         secret_options={"api_key": secret},
-    ).save(block)  # fmt: skip
+    ).save(block)
     state = eval_point(**env.params(7, source={"kind": "hf", "path": snap}, posture="external", backend_block=block),
-                       return_state=True)  # fmt: skip
+                       return_state=True)
     assert state.is_completed() and state.name == "Completed", state.message
     assert json.loads(record.read_text()) == {"record": str(record), "api_key": secret}
     with get_client(sync_client=True) as c:
@@ -129,11 +129,11 @@ def test_events_naming_a_class_path_or_a_foreign_source_run_nothing(
         env.blocks["staging"], overwrite=True
     )
     code = _attack_payload(env, 1, {"kind": "hf", "path": snap}, posture="external", backend=PLANTED,
-                           backend_options={"marker": str(marker)})  # fmt: skip
+                           backend_options={"marker": str(marker)})
     path = _attack_payload(env, 2, {"kind": "megatron", "path": str(planted), "hf_base": str(tiny_model)})
     post_events(deployed.api_url, [code, path])
     runs = wait_for(lambda: len(r := runs_of_deployment(deployed.deployment_id, env.run)) == 2 and r, 60,
-                    "the triggered runs")  # fmt: skip
+                    "the triggered runs")
     done = {r.parameters["step"]: _final(r.id) for r in runs}
     assert done[1].state.is_failed() and "backend_block" in str(done[1].state.message), done[1].state.message
     assert "backend" not in done[1].parameters and "backend_options" not in done[1].parameters
@@ -150,7 +150,7 @@ def test_a_created_flow_run_naming_a_class_path_is_refused(
     marker = tmp_path / "built"
     snap = write_step_snapshot(tiny_model, str(allowed / "step_3"))
     params = env.params(3, source={"kind": "hf", "path": snap}, posture="external", backend=PLANTED,
-                        backend_options={"marker": str(marker)})  # fmt: skip
+                        backend_options={"marker": str(marker)})
     with get_client(sync_client=True) as c:
         fr = c.create_flow_run_from_deployment(deployed.deployment_id, parameters=params)
     done = _final(fr.id)

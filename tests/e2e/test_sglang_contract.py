@@ -98,7 +98,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         if request.url.path in LORA_PATHS:
             content = await response.aread()
             self.lora.append((request.url.path, json.loads(body) if body else None, response.status_code,
-                              json.loads(content) if content else None))  # fmt: skip
+                              json.loads(content) if content else None))
         if request.url.path in ("/generate", "/model_info"):
             content = await response.aread()
             parsed = json.loads(content) if content else None

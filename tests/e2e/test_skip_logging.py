@@ -36,7 +36,7 @@ def _logs(flow_run_id: object) -> list[Log]:
 def test_an_expected_skip_is_one_warning_without_traceback(prefect_server: str, tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     env = save_point_blocks(tmp_path, FleetBlock(name=f"d{uuid.uuid4().hex[:6]}", mode="attach",
-                                                 engine_urls=[dead], router_url=dead))  # fmt: skip
+                                                 engine_urls=[dead], router_url=dead))
     dest = Path(StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, 3))
     dest.mkdir(parents=True)
     (dest / "config.json").write_text("{}")  # no `.complete`: ckpt_missing (missing_marker)

@@ -76,14 +76,14 @@ def worker_cli(prefect_server: str, tmp_path: Path) -> Iterator[WorkerCli]:
     pool = f"stop-{uuid.uuid4().hex[:8]}"
     template = write_job_template(tmp_path / "warm-template.json")  # the pool `pinned-eval deploy` creates
     made = prefect_cli("work-pool", "create", pool, "--type", "process", "--base-job-template", str(template),
-                       env=dict(os.environ))  # fmt: skip
+                       env=dict(os.environ))
     assert made.returncode == 0, made.stdout + made.stderr
     log = tmp_path / "cli.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PINNED_EVAL_")}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--pool", pool], cwd=REPO,
                                 env=dict(env, PINNED_EVAL_HOME=str(home)), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True)
     cli = WorkerCli(proc, LocalStack(home), pool, log)
     try:
         poll_until(lambda: _up(cli), timeout_s=180, interval_s=0.5, what=lambda: f"worker up; log:\n{log.read_text()}")
@@ -157,7 +157,7 @@ def test_a_sigkilled_cli_leaves_nothing_that_polls_the_pool(worker_cli: WorkerCl
     worker_cli.proc.wait(timeout=30)
 
     poll_until(lambda: not _gone(started), timeout_s=30, interval_s=0.1,
-               what=lambda: f"the CLI's children to die with it; left: {_gone(started)}")  # fmt: skip
+               what=lambda: f"the CLI's children to die with it; left: {_gone(started)}")
     assert _pollers(worker_cli.pool) == []
 
 
@@ -167,7 +167,7 @@ def _deployment_on(pool: str) -> str:
         flow_id = c.create_flow_from_name("eval-point")
         pull = [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
         return str(c.create_deployment(flow_id=flow_id, name=pool, work_pool_name=pool, pull_steps=pull,
-                                       entrypoint="flows/eval_point.py:eval_point"))  # fmt: skip
+                                       entrypoint="flows/eval_point.py:eval_point"))
 
 
 def test_a_point_in_flight_when_the_worker_stops_ends_crashed_with_its_snapshot_retired(
@@ -177,7 +177,7 @@ def test_a_point_in_flight_when_the_worker_stops_ends_crashed_with_its_snapshot_
 
     dead = f"http://127.0.0.1:{free_port()}"  # the external posture never touches the fleet
     env = save_point_blocks(tmp_path, FleetBlock(name=f"d{uuid.uuid4().hex[:6]}", mode="attach",
-                                                 engine_urls=[dead], router_url=dead), keep_snapshots=0)  # fmt: skip
+                                                 engine_urls=[dead], router_url=dead), keep_snapshots=0)
     lifecycle = str(tmp_path / "lifecycle.jsonl")
     ExternalBackendBlock(backend=BACKEND, options={"log": lifecycle, "delay_s": 600.0}).save(f"slow-{env.run}")
     snap = write_step_snapshot(tiny_model, StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, 5))
@@ -185,7 +185,7 @@ def test_a_point_in_flight_when_the_worker_stops_ends_crashed_with_its_snapshot_
     with get_client(sync_client=True) as c:
         flow_run_id = c.create_flow_run_from_deployment(_deployment_on(worker_cli.pool), parameters=params).id
     poll_until(lambda: any(e["event"] == "pin" for e in read_lifecycle(lifecycle)), timeout_s=180, interval_s=0.5,
-               what=lambda: f"the point to be measuring; CLI log:\n{worker_cli.log.read_text()}")  # fmt: skip
+               what=lambda: f"the point to be measuring; CLI log:\n{worker_cli.log.read_text()}")
 
     os.kill(worker_cli.proc.pid, signal.SIGTERM)
     assert worker_cli.proc.wait(timeout=90) == 0, worker_cli.log.read_text()

@@ -71,7 +71,7 @@ def data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
      "--wandb-writer: 'shared' writes into the live training run: it needs --wandb-mode online"),
     (["sinks", "default", "--wandb-mode", "loud"],
      "--wandb-mode: Input should be 'online', 'offline' or 'disabled' (got 'loud')"),
-])  # fmt: skip
+])
 def test_save_refusals_name_the_flag(data: Path, args: list[str], message: str) -> None:
     code, out = cli("block", "save", *args)
     assert (code, out.strip()) == (2, "error: " + message.format(tmp=data)), out
@@ -83,7 +83,7 @@ def test_key_files_must_be_private(data: Path) -> None:
     key.chmod(0o644)
     code, out = cli("block", "save", "fleet", "default", "--launch", "--api-key-file", str(key))
     assert (code, out.strip()) == (2, f"error: --api-key-file: {key}: the API credential file must be a regular "
-                                      "file of mode 0600, not -rw-r--r--")  # fmt: skip
+                                      "file of mode 0600, not -rw-r--r--")
 
 
 def test_s3_keys_come_from_the_environment_only(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +91,7 @@ def test_s3_keys_come_from_the_environment_only(data: Path, monkeypatch: pytest.
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
     code, out = cli("block", "save", "staging", "default", "--root", "s3://b/p", "--s3-keys-from-env")
     assert (code, out.strip()) == (2, "error: --s3-keys-from-env: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY not "
-                                      "set in this environment")  # fmt: skip
+                                      "set in this environment")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
     block = build_block("staging", {"root": "s3://b/p", "s3_keys_from_env": True}, data, "x")
@@ -104,13 +104,13 @@ def test_flags_build_the_blocks_a_python_user_would_save(data: Path) -> None:
     key.chmod(0o600)
     suite = build_block("suite", {"dataset": ["t=d.jsonl", "add=builtin:arith_add.jsonl"], "reward": "exact_match",
                                   "max_new_tokens": 3, "temperature": 0.0, "stop": ["\n"], "point_timeout": 60}, data,
-                        "default")  # fmt: skip
+                        "default")
     assert isinstance(suite, EvalSuiteBlock) and suite.point_timeout_seconds == 60
     [t, add] = suite.resolved()
     assert (t.name, t.path, t.max_new_tokens, t.temperature, t.stop, add.name) == (
         "t", data / "d.jsonl", 3, 0.0, ("\n",), "add")
     fleet = build_block("fleet", {"attach": ["http://127.0.0.1:1"], "router": "http://127.0.0.1:2",
-                                  "admin_api_key_file": "admin"}, data, "gpu-a")  # fmt: skip
+                                  "admin_api_key_file": "admin"}, data, "gpu-a")
     assert isinstance(fleet, FleetBlock)
     assert (fleet.mode, fleet.name, fleet.engine_urls, fleet.router_url, fleet.api_key) == (
         "attach", "gpu-a", ["http://127.0.0.1:1"], "http://127.0.0.1:2", None)
@@ -147,7 +147,7 @@ def test_init_writes_a_config_that_builds_every_block_and_never_overwrites(tmp_p
     code, out = cli("init", str(proj))
     assert code == 1 and out.strip() == (f"error: {proj / 'pinned-eval.yaml'}, {proj / 'eval.yaml'}, "
                                          f"{proj / 'data' / 'sample.jsonl'} exists; nothing written (init never "
-                                         "overwrites)")  # fmt: skip
+                                         "overwrites)")
     assert (proj / "eval.yaml").read_text() == before + "# mine\n"
 
 
@@ -159,7 +159,7 @@ def test_init_writes_a_config_that_builds_every_block_and_never_overwrites(tmp_p
     ("staging:\n  root: st\n  keep: -1\n", "{f}: staging.keep: Input should be greater than or equal to 0 (got -1)"),
     ("suite:\n  from_yaml: e.yaml\n", "{f}: suite.from_yaml: {d}/e.yaml: no such file"),
     ("- 1\n", "{f}: expected sections suite, fleet, staging, sinks (a mapping), got list"),
-])  # fmt: skip
+])
 def test_apply_refusals_name_the_file_and_key(data: Path, text: str, message: str) -> None:
     config = data / "pinned-eval.yaml"
     config.write_text(text)
@@ -172,7 +172,7 @@ def test_a_miles_yaml_syntax_error_names_the_file_and_line(data: Path) -> None:
     bad.write_text("eval:\n  datasets:\n  - name: a\n   path: x\n")
     code, out = cli("block", "save", "suite", "default", "--from-yaml", str(bad))
     assert (code, out.strip()) == (2, f"error: --from-yaml: eval config {bad}: not valid YAML (line 4, column 4): "
-                                      "expected <block end>, but found '<block mapping start>'")  # fmt: skip
+                                      "expected <block end>, but found '<block mapping start>'")
     assert "<unicode string>" not in out
     bad.write_text("eval:\n  datasets:\n    - name: a\n      path: d.jsonl\n")  # no rm_type: a key error
     code, out = cli("block", "save", "suite", "default", "--from-yaml", str(bad))

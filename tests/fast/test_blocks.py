@@ -104,7 +104,7 @@ def test_fleet_block_launch_passes_the_tool_call_parser(
     monkeypatch.setattr(fleet_module, "launch_cpu_fleet", lambda *a, **kw: calls.append(("cpu", a, kw)))
     monkeypatch.setattr(fleet_module, "launch_sglang_fleet", lambda *a, **kw: calls.append(("sglang", a, kw)))
     block = FleetBlock(mode="launch", state_file=str(tmp_path / "fleet.json"), model_path="/m",
-                       backend=backend, tool_call_parser="qwen25")  # fmt: skip
+                       backend=backend, tool_call_parser="qwen25")
     block.launch()
     ((kind, args, kwargs),) = calls
     assert kind == backend

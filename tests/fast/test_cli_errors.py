@@ -62,7 +62,7 @@ def test_a_model_level_error_has_no_empty_prefix_and_names_the_flag_in_its_text(
 def test_several_errors_join_in_order():
     text = human_errors(_errors(count="x", hf_base=3), {"count": "--count", "hf_base": "--hf-base"})
     assert text == "--hf-base: Input should be a valid string; --count: Input should be a valid integer, unable to " \
-                   "parse string as an integer"  # fmt: skip
+                   "parse string as an integer"
 
 
 def test_a_source_without_its_base_names_the_flag_not_the_field(tmp_path: Path):
@@ -87,7 +87,7 @@ def test_a_missing_local_path_is_refused_before_any_server_is_needed(tmp_path: P
     code, out = cli("request", "--run", "exp42", "--step", "3", "--source", f"hf:{tmp_path}/nope", env=env)
     assert (code, out.strip()) == (2, f"error: --source: {tmp_path}/nope does not exist; nothing was sent")
     code, out = cli("request", "--run", "exp42", "--step", "3", "--source", f"state_dict:{tmp_path}",
-                    "--hf-base", f"{tmp_path}/base", env=env)  # fmt: skip
+                    "--hf-base", f"{tmp_path}/base", env=env)
     assert (code, out.strip()) == (2, f"error: --hf-base: {tmp_path}/base does not exist; nothing was sent")
 
 
@@ -96,7 +96,7 @@ def test_status_lines_give_reason_and_message_of_every_point_that_did_not_measur
 
     def point(step: int, outcome: str, reason: str | None, message: str | None) -> PointHistory:
         return PointHistory(run="r", step=step, outcome=outcome, reason=reason, message=message,  # type: ignore[arg-type]
-                            end_time=now)  # fmt: skip
+                            end_time=now)
 
     history = RunHistory(run="r", points=[
         point(1, "measured", None, None),
@@ -104,7 +104,7 @@ def test_status_lines_give_reason_and_message_of_every_point_that_did_not_measur
         point(3, "failed", "crashed", "Flow run encountered an exception: RuntimeError: boom"),
         point(4, "skipped", "busy", None),
         point(5, "running", None, None),
-    ])  # fmt: skip
+    ])
     assert outcome_lines(history) == [
         "step 2: skipped ckpt_missing: /s/step_2: .complete marker missing",
         "step 3: failed crashed: Flow run encountered an exception: RuntimeError: boom",

@@ -28,7 +28,7 @@ from tests.conftest import free_port
 HOSTILE = [
     "", "\x00", "a\x00b", "a" * 5000, "/proc/self", "http://x", "s3://nobucket/x",
     "99999999999999999999999", "1.0", "+1", "1_000", "01", "-1",
-]  # fmt: skip
+]
 PLACEHOLDER = "placeholder"
 SLOT = "\0slot"  # where the fuzzed argument goes
 
@@ -162,7 +162,7 @@ def test_step_is_a_strict_int64(sandbox: list[str], tmp_path: Path) -> None:
     code, out, _ = invoke(["request", "--run", "r", "--step", "9223372036854775807", "--source", f"hf:{tmp_path}"])
     assert (code, out.strip().splitlines()[-1]) == (2, "error: no Prefect API: run `pinned-eval server up`, or set "
                                                        "PREFECT_API_URL (e.g. `export PREFECT_API_URL="
-                                                       "http://127.0.0.1:4200/api`)")  # fmt: skip
+                                                       "http://127.0.0.1:4200/api`)")
 
 
 def test_with_the_server_down_every_api_verb_says_so_and_how_to_start_it(sandbox: list[str], tmp_path: Path) -> None:
@@ -179,7 +179,7 @@ def test_with_the_server_down_every_api_verb_says_so_and_how_to_start_it(sandbox
         ["block", "list"], ["block", "show", "suite"], ["block", "apply", "proj.yaml"],
         ["block", "save", "sinks", "x", "--jsonl", "m.jsonl"], ["suite", "miles", "sample.jsonl", "--save", "x"],
         ["janitor"], ["worker"],
-    ]  # fmt: skip
+    ]
     for args in verbs:
         code, out, exc = invoke(args)
         assert_clean(args, code, out, exc)
@@ -205,7 +205,7 @@ def test_the_boundary_keeps_exit_codes_and_formats_every_failure_in_one_line() -
         "skipped": typer.Exit(3), "failed": typer.Exit(4), "usage": CliError("--x: bad", 2),
         "broken": CliError("it broke"), "pydantic": _validation_error(Model), "oserror": FileNotFoundError(2, "No such "
         "file or directory", "/x/y"), "bare": RuntimeError(), "multiline": ValueError("first\nsecond"),
-    }  # fmt: skip
+    }
 
     @boundary.command("go")
     def go(what: str) -> None:

@@ -118,7 +118,7 @@ def test_batches_take_one_logprob_setting_per_prompt(client: TestClient) -> None
     out = gen(
         client, input_ids=[PROMPT, [1, 9, 9]], sampling_params={**GREEDY, "max_new_tokens": 2},
         return_logprob=[True, False], logprob_start_len=[1, -1],
-    )  # fmt: skip
+    )
     assert isinstance(out, list)
     assert [t[1] for t in out[0]["meta_info"]["input_token_logprobs"]] == PROMPT[1:]
     assert "output_token_logprobs" not in out[1]["meta_info"]

@@ -30,7 +30,7 @@ RULES = [
     {"prompt_contains": "say hi", "completion": "hi there"},
 ]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 EOS = 2
 
@@ -51,7 +51,7 @@ def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _client(model_dir: Path, rules: Path, parser: str | None) -> Iterator[TestClient]:
     args = EngineArgs(model_path=str(model_dir), port=1, weight_version="7", tool_call_parser=parser,
-                      scripted_completions=str(rules))  # fmt: skip
+                      scripted_completions=str(rules))
     with TestClient(create_app(args)) as c:
         yield c
 
@@ -95,7 +95,7 @@ def test_chat_tool_call_parsed_like_sglang_qwen25(qwen: TestClient, model_dir: P
     (call,) = message["tool_calls"]
     assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
     assert call | {"id": "-"} == {"id": "-", "index": 0, "type": "function",
-                                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+                                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     usage = out["usage"]
     assert usage["prompt_tokens"] == rendered_len(model_dir, ASK, TOOLS)  # the tools reached the template
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -129,12 +129,12 @@ def test_without_a_parser_the_call_stays_text(model_dir: Path, rules_file: Path)
 def test_a_tool_result_turn_renders_and_answers(qwen: TestClient) -> None:
     turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
     out = chat(qwen, messages=turns, tools=TOOLS, logprobs=True, top_logprobs=2, return_meta_info=True)
     choice = out["choices"][0]
     assert (choice["message"]["content"], choice["finish_reason"], choice["matched_stop"]) == (
         "It is 18C in Paris.", "stop", EOS,
-    )  # fmt: skip
+    )
     content = choice["logprobs"]["content"]
     assert len(content) == out["usage"]["completion_tokens"]
     assert "".join(c["token"] for c in content) == "It is 18C in Paris.</s>"  # the EOS is an output token
@@ -165,12 +165,12 @@ def test_completions_plain_equals_generate(qwen: TestClient) -> None:
     assert set(out) == {"id", "object", "created", "model", "choices", "usage", "metadata"}
     assert (out["object"], out["model"], out["metadata"]) == ("text_completion", "default", {"weight_version": "7"})
     assert out["choices"] == [{"index": 0, "text": native["text"], "logprobs": None, "finish_reason": "length",
-                               "matched_stop": None}]  # fmt: skip
+                               "matched_stop": None}]
     assert out["usage"] | {"completion_tokens_details": None} == {
         "prompt_tokens": native["meta_info"]["prompt_tokens"], "completion_tokens": 5,
         "total_tokens": native["meta_info"]["prompt_tokens"] + 5, "prompt_tokens_details": None,
         "reasoning_tokens": 0, "completion_tokens_details": None,
-    }  # fmt: skip
+    }
     default = post(qwen, "/v1/completions", {"prompt": "hello", "ignore_eos": True})
     assert default["usage"]["completion_tokens"] == 16  # SGLang's default max_tokens
 
@@ -237,7 +237,7 @@ def test_bad_v1_bodies_are_sglang_error_responses(qwen: TestClient, path: str, b
 def test_v1_routes_need_the_api_key(model_dir: Path) -> None:
     with TestClient(create_app(EngineArgs(model_path=str(model_dir), port=1, api_key="user"))) as c:
         for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
-                           ("/v1/chat/completions", {"messages": ASK, "max_tokens": 1})):  # fmt: skip
+                           ("/v1/chat/completions", {"messages": ASK, "max_tokens": 1})):
             assert c.post(path, json=body).status_code == 401
             assert c.post(path, json=body, headers={"Authorization": "Bearer user"}).status_code == 200
 
@@ -264,7 +264,7 @@ def test_the_engine_cli_refuses_a_bad_rules_file_with_exit_2(tmp_path: Path, mod
     bad = tmp_path / "rules.json"
     bad.write_text('{"a": 1}', encoding="utf-8")
     cmd = [sys.executable, "-m", "engine", "--model-path", str(model_dir), "--port", "1",
-           "--scripted-completions", str(bad)]  # fmt: skip
+           "--scripted-completions", str(bad)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "expected a JSON list of rules" in done.stderr and "Traceback" not in done.stderr
     parser = subprocess.run([*cmd[:7], "--tool-call-parser", "llama3"], capture_output=True, text=True, timeout=120)
@@ -290,7 +290,7 @@ def test_token_id_extensions_of_both_routes(qwen: TestClient, model_dir: Path) -
     ids = tok.encode(text, add_special_tokens=False)
     # a pre-computed prompt skips the template (here: the same prompt, so the same scripted call)
     out = chat(qwen, messages=[{"role": "user", "content": "ignored"}], input_ids=ids, tools=TOOLS,
-               return_token_ids=True)  # fmt: skip
+               return_token_ids=True)
     choice = out["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["prompt_token_ids"] == ids
     assert tok.decode(choice["response_token_ids"]) == QWEN_CALL + "</s>"

@@ -78,7 +78,7 @@ def test_every_sglang_sampling_key_is_accepted(client: TestClient) -> None:
         "spaces_between_special_tokens": True, "no_stop_trim": False, "stream_interval": 1,
         "logit_bias": {"5": 0.5}, "sampling_seed": 3, "custom_params": None, "beam_width": None,
         "watermark": None, "choice": None,
-    }  # fmt: skip
+    }
     out = gen(client, text="hello", sampling_params=params, some_unknown_top_level_key=1)
     assert isinstance(out, dict) and 1 <= out["meta_info"]["completion_tokens"] <= 3
     # accepted means kept: every implemented key reaches the decoder with the value sent
@@ -136,7 +136,7 @@ def test_greedy_is_deterministic_and_matches_transformers(client: TestClient, mo
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([[1, 261, 13, 25]])
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
-                         do_sample=False, pad_token_id=0)  # fmt: skip
+                         do_sample=False, pad_token_id=0)
     assert first["output_ids"] == ref[0, 4:].tolist()
 
 
@@ -162,7 +162,7 @@ def test_stop_token_ids_and_min_new_tokens(client: TestClient) -> None:
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["output_ids"] == ref[: first + 1]  # the matched token is kept in output_ids
     late = gen(client, text="12+7=", sampling_params={**GREEDY, "max_new_tokens": 20, "stop_token_ids": [stop],
-                                                        "min_new_tokens": first + 2})  # fmt: skip
+                                                        "min_new_tokens": first + 2})
     assert late["meta_info"]["completion_tokens"] >= first + 2
 
 

@@ -53,7 +53,7 @@ def reference(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)  # fmt: skip
+                         do_sample=False, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
@@ -217,7 +217,7 @@ def test_finish_reason_and_text_trimming() -> None:
     }
     assert decoding.finish_reason(SamplingParams(ignore_eos=True), [5, 2], None, [2], 3, 100) is None
     assert decoding.finish_reason(SamplingParams(max_new_tokens=2), [5, 6], None, [2], 3, 100) == {
-        "type": "length", "length": 2}  # fmt: skip
+        "type": "length", "length": 2}
     assert decoding.finish_reason(SamplingParams(), [5, 6], None, [2], 8, 10) == {
         "type": "length",
         "length": 2,

@@ -50,7 +50,7 @@ def test_apply_gives_openai_tool_calls_with_ids_and_finish_tool_calls() -> None:
     assert re.fullmatch(r"call_[0-9a-f]{24}", calls[0]["id"])
     assert {k: v for k, v in calls[0].items() if k != "id"} == {
         "index": 0, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-    }  # fmt: skip
+    }
     _, again, _ = tool_calls.apply("qwen25", CALL, TOOLS, "auto", {"type": "stop", "matched": 2})
     assert again is not None and again[0]["id"] != calls[0]["id"]  # fresh ids per reply
 
@@ -61,11 +61,11 @@ def test_apply_keeps_a_length_finish_and_needs_parser_tools_and_choice() -> None
     for parser, tools, choice in ((None, TOOLS, "auto"), ("qwen25", [], "auto"), ("qwen25", TOOLS, "none")):
         assert tool_calls.apply(parser, CALL, tools, choice, {"type": "stop", "matched": 2}) == (
             CALL, None, {"type": "stop", "matched": 2},
-        )  # fmt: skip
+        )
 
 
 def test_a_marker_without_a_valid_call_leaves_no_tool_calls() -> None:
     text = 'Sure.\n<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'
     assert tool_calls.apply("qwen25", text, TOOLS, "auto", {"type": "stop", "matched": 2}) == (
         "Sure.", None, {"type": "stop", "matched": 2},
-    )  # fmt: skip
+    )

@@ -216,7 +216,7 @@ def test_in_loop_adapter_exports_are_dispatched_as_lora_sources(tmp_path: Path):
     adapter = make_tiny_adapter(base, tmp_path / "adapter")
     dead = f"http://127.0.0.1:{free_port()}/api"
     with EvalClient("exp43", dead, spool_dir=tmp_path / "spool", staging_root=tmp_path / "staging",
-                    lora_base=base) as client:  # fmt: skip
+                    lora_base=base) as client:
         result = client.dispatch(3, export=lambda step, dest: write_adapter_snapshot(adapter, dest))
     assert result.action == "requested"
     [entry] = Spool(tmp_path / "spool" / "exp43").pending()
@@ -308,7 +308,7 @@ def _point_run(step: int, state: str) -> dict[str, Any]:
     return {
         "id": str(uuid.uuid4()), "name": f"exp42/step-{step}", "parameters": {"run": "exp42", "step": step},
         "state": {"type": state, "name": state.title(), "message": None}, "created": f"2026-01-01T00:00:0{step}Z",
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture
@@ -323,7 +323,7 @@ def orchestrator() -> Iterator[tuple[ScriptedServer, list[dict[str, Any]]]]:
             ("POST", "/api/events"): ok,
             ("PATCH", "/api/variables/name/pinned-eval-progress-exp42"): ok,
         }
-    )  # fmt: skip
+    )
     try:
         yield server, runs
     finally:
@@ -343,7 +343,7 @@ def test_dispatch_makes_no_network_call_on_the_callers_thread(tmp_path: Path, or
     hook = ThreadLog()
     try:
         with EvalClient("exp42", url, spool_dir=tmp_path / "spool", max_in_flight=1, policy="skip",
-                        http=hook.client(), direct_runs=False) as client:  # fmt: skip
+                        http=hook.client(), direct_runs=False) as client:
             results = [client.dispatch(step, source=SOURCE) for step in range(1, 6)]
             client.report_progress(5)
             if api == "slow":  # a slow API still answers: the thread delivers everything in the end
@@ -364,7 +364,7 @@ def test_admission_follows_the_servers_view_after_it_changes(tmp_path: Path, orc
     runs += [_point_run(1, "RUNNING"), _point_run(2, "SCHEDULED")]  # e.g. a restarted trainer's points
     hook = ThreadLog()
     with EvalClient("exp42", f"{server.url}/api", spool_dir=tmp_path / "spool", max_in_flight=2, policy="skip",
-                    http=hook.client(), direct_runs=False, poll_s=0.05, idle_sync_s=0.05) as client:  # fmt: skip
+                    http=hook.client(), direct_runs=False, poll_s=0.05, idle_sync_s=0.05) as client:
         assert client.wait_synced(30)
         assert client.dispatch(2, source=SOURCE).action == "exists"
         busy = client.dispatch(3, source=SOURCE)
@@ -390,7 +390,7 @@ def test_skip_policy_admits_up_to_exactly_the_bound(max_in_flight: int) -> None:
                          message=None, created="2026-01-01T00:00:00Z") for s in range(100, 100 + others)]
         view.refresh(runs, set())
         verdict, n, _, offline = view.decide(step, final=final, policy="skip", max_in_flight=max_in_flight,
-                                             spooled=set, poll_s=0.01, wake=lambda: None)  # fmt: skip
+                                             spooled=set, poll_s=0.01, wake=lambda: None)
         assert not offline
         return verdict, n
 
@@ -412,12 +412,12 @@ def test_a_point_is_created_directly_and_the_event_is_sent_only_when_that_is_ref
         return (201, {"Content-Type": "application/json"}, b"{}") if server_says == "created" else (503, {}, b"")
 
     dep = (200, {"Content-Type": "application/json"}, b'{"id": "dep1"}') if server_says != "no deployment" else (
-        404, {}, b'{"detail": "Deployment not found"}')  # fmt: skip
+        404, {}, b'{"detail": "Deployment not found"}')
     server = ScriptedServer({
         ("GET", "/api/deployments/name/eval-point/eval-point"): lambda body: dep,
         ("POST", "/api/deployments/dep1/create_flow_run"): create,
         ("POST", "/api/events"): lambda body: (204, {}, b""),
-    })  # fmt: skip
+    })
     entry = event_entry(request(7, final=True), BlockNames(sinks="k1"))
     try:
         delivery = Delivery(PrefectRest(f"{server.url}/api", httpx.Client(timeout=5)), direct_runs=True)
@@ -438,7 +438,7 @@ def test_a_point_is_created_directly_and_the_event_is_sent_only_when_that_is_ref
     assert (body["name"], body["tags"]) == ("exp42/step-7", ["run:exp42", "step:7"])
     params = body["parameters"]
     assert (params["run"], params["step"], params["final"], params["sinks"], params["suite"]) == (
-        "exp42", 7, True, "k1", "default")  # fmt: skip
+        "exp42", 7, True, "k1", "default")
     assert "blocks" not in params and params["source"]["path"] == "/ckpt/step_7"
 
 
@@ -448,7 +448,7 @@ def test_backpressure_waits_for_the_admission_thread_to_see_a_slot_free(tmp_path
     hook = ThreadLog()
     out: list[Any] = []
     with EvalClient("exp42", f"{server.url}/api", spool_dir=tmp_path / "spool", max_in_flight=2,
-                    policy="backpressure", http=hook.client(), direct_runs=False, poll_s=0.05) as client:  # fmt: skip
+                    policy="backpressure", http=hook.client(), direct_runs=False, poll_s=0.05) as client:
         assert client.wait_synced(30)
         trainer = threading.Thread(target=lambda: out.append(client.dispatch(3, source=SOURCE)), name="trainer")
         trainer.start()

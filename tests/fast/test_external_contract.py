@@ -129,7 +129,7 @@ def test_sample_rows_round_trip() -> None:
     rows = sample_rows(data)
     assert len(rows) == 6 and rows[1] == {
         "dataset": "greedy", "index": 1, "reward": None, "truncated": True, "weight_version": "5", "response_len": 4,
-    }  # fmt: skip
+    }
     assert results_from_rows(list(reversed(rows))) == data
     with pytest.raises(ValueError, match="indices"):
         results_from_rows(rows[1:])
@@ -214,7 +214,7 @@ def test_task_reuses_one_backend_per_configuration(backends: BackendCache) -> No
     assert RecordingBackend.calls == [
         ("init", "measure"), ("eval", "/snap", "9"), ("eval", "/snap", "10"),
         ("init", "measure"), ("eval", "/snap", "11"),  # other options, another configuration
-    ]  # fmt: skip
+    ]
     assert backend_lock_name(path, None) == backend_lock_name(path, {})
     assert backend_lock_name(path, None).startswith("backend-recordingbackend-")
     assert backend_lock_name(path, None) != backend_lock_name(path, {"mode": "measure"})
@@ -263,7 +263,7 @@ def test_sglang_launch_builds_real_command_on_named_gpus() -> None:
     cfg = SGLangBackendConfig(
         launch="sglang", model_path="/base", gpus="6,7", server_args={"mem_fraction_static": 0.8},
         extra_args=["--trust-remote-code", "--foo", "1"], python="/py",
-    )  # fmt: skip
+    )
     spec = sglang_launch_spec(cfg, 31000)
     cmd = spec.command
     assert cmd[:3] == ["/py", "-m", "sglang.launch_server"]
@@ -299,7 +299,7 @@ def test_backend_config_modes_and_env() -> None:
     launch = SGLangBackendConfig.from_env(
         {"PINNED_EVAL_EXTERNAL_GPUS": "6,7", "PINNED_EVAL_EXTERNAL_MODEL_PATH": "/base",
          "PINNED_EVAL_EXTERNAL_SERVER_ARGS": "--trust-remote-code --x 'a b'"}
-    )  # fmt: skip
+    )
     assert (launch.launch, launch.gpus, launch.extra_args) == ("sglang", [6, 7], ["--trust-remote-code", "--x", "a b"])
 
 
@@ -320,7 +320,7 @@ def test_adapter_config_from_env_then_args(monkeypatch: pytest.MonkeyPatch) -> N
     cfg = AdapterConfig.from_args(args, env)
     assert (cfg.api_url, cfg.run, cfg.policy, cfg.blocks.suite, cfg.blocks.fleet) == (
         "http://127.0.0.1:4200/api", "exp43", "skip", "gsm8k", "default",
-    )  # fmt: skip
+    )
     assert cfg.parameters == {"backend": "x:Y"}
     assert cfg.headers() == {"Authorization": "Bearer sekrit"} and "sekrit" not in repr(cfg)
     with pytest.raises(ValueError, match="run"):

@@ -144,5 +144,5 @@ def test_replace_durably_fsyncs_a_directorys_files_itself_then_renames_then_the_
     assert rec.events == [
         ("fsync", f"{real}/tmp/a"), ("fsync", f"{real}/tmp/b"), ("fsync", f"{real}/tmp"),
         ("replace", f"{real}/tmp", f"{real}/dest"), ("fsync", real),
-    ]  # fmt: skip
+    ]
     assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["a", "b", "link", "sub"]

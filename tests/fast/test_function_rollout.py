@@ -26,7 +26,7 @@ FIXTURES = str(Path(__file__).parent.parent / "fixtures" / "miles_style")
 
 def _ds(function: str):  # type: ignore[no-untyped-def]
     [ds] = EvalSuite(datasets=(DatasetSpec(name="agentic", path="/a.jsonl", generate_function=function,
-                                           reward="math"),)).resolved()  # fmt: skip
+                                           reward="math"),)).resolved()
     return ds
 
 
@@ -35,7 +35,7 @@ async def _run(function: str, rollout: FunctionRollout, metadata: dict | None = 
     rows = [EvalSample(0, "p0", "1", dict(metadata or {})), EvalSample(1, "p1", "2", dict(metadata or {}))]
     async with httpx.AsyncClient() as http:
         session = PointSession(RouterGenerator(http, f"http://127.0.0.1:{free_port()}", api_key="k"),
-                               expected_version="5", rid_prefix="p5")  # fmt: skip
+                               expected_version="5", rid_prefix="p5")
         async with rollout.open(session, [ds], {ds.name: rows}) as produce:
             return [await produce(ds, r, 0) for r in rows]
 
@@ -64,7 +64,7 @@ async def test_old_form_function_runs_with_miles_args_and_dataset_reward() -> No
                            r"over 16777216 bytes$"),
         ("runaway.hogs", r"^agent_error: dataset 'agentic' sample 0 \(j=0\): MemoryError: $"),
     ],
-)  # fmt: skip
+)
 async def test_user_code_failures_are_agent_error_skips(function: str, message: str) -> None:
     with pytest.raises(EvalSkipped, match=message) as info:
         await _run(function, FunctionRollout(python_path=[FIXTURES], memory_bytes=1 << 30))
@@ -75,7 +75,7 @@ async def test_user_code_failures_are_agent_error_skips(function: str, message: 
 async def test_a_hang_is_cut_at_the_deadline_and_its_children_are_gone(tmp_path: Path) -> None:
     pid_file = tmp_path / "pids"
     with pytest.raises(EvalSkipped, match=r"^agent_error: dataset 'agentic' sample 0 \(j=0\): TimeoutError: no result "
-                                          r"within 3 s$"):  # fmt: skip
+                                          r"within 3 s$"):
         await _run("runaway.sleeps", FunctionRollout(python_path=[FIXTURES], sample_timeout_s=3),
                    {"pid_file": str(pid_file)})
     runner, child = map(int, pid_file.read_text().split())
@@ -89,7 +89,7 @@ async def test_run_rollouts_flattens_and_skips_through_the_registry() -> None:
     ds = _ds("runaway.raises")
     async with httpx.AsyncClient() as http:
         session = PointSession(RouterGenerator(http, f"http://127.0.0.1:{free_port()}", api_key="k"),
-                               expected_version="5", rid_prefix="p5")  # fmt: skip
+                               expected_version="5", rid_prefix="p5")
         ROLLOUTS["function"].python_path = [FIXTURES]  # type: ignore[attr-defined]
         try:
             with pytest.raises(EvalSkipped, match="ValueError: boom on 0"):

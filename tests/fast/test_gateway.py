@@ -47,7 +47,7 @@ class FakeFleet:
             Route("/v1/completions", self.v1, methods=["POST"]),
             Route("/v1/chat/completions", self.v1, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
-        ])  # fmt: skip
+        ])
 
     async def _seen(self, request: Request) -> Any:
         body = await request.json() if request.method == "POST" else None
@@ -75,7 +75,7 @@ class FakeFleet:
             {"index": 0, "message": {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
              "finish_reason": "tool_calls"}
             if chat else {"index": 0, "text": "done", "finish_reason": "stop"}
-        )  # fmt: skip
+        )
         return JSONResponse({"id": "x", "choices": [choice], "usage": {"prompt_tokens": 4, "completion_tokens": 1},
                              "metadata": {"weight_version": self.version}})
 
@@ -263,7 +263,7 @@ async def test_an_unreachable_fleet_is_502(http: httpx.AsyncClient) -> None:
     ("/v1/completions", b'{"model": "m", "prompt": "p", "stream": true}', 400, "stream: true"),
     ("/v1/completions", b"x" * (8 * 1024 * 1024 + 1), 413, "request body over"),
     ("/sessions/nope/generate", b'{"text": "x"}', 404, "unknown session"),
-])  # fmt: skip
+])
 async def test_malformed_requests_are_4xx_and_not_forwarded(
     fleet: tuple[FakeFleet, str], http: httpx.AsyncClient, path: str, content: bytes, status: int, says: str
 ) -> None:
@@ -312,7 +312,7 @@ async def test_a_gateway_fault_is_one_line_500_and_recorded(http: httpx.AsyncCli
     ({"metadata": {"weight_version": "7"}, "choices": []}, True),
     ({"choices": []}, False),  # a reply naming no version
     ({"metadata": {"weight_version": 7}}, False),
-])  # fmt: skip
+])
 def test_every_result_of_a_raw_reply_must_name_the_version(payload: Any, ok: bool) -> None:
     from pinned_eval.fleet.generate import check_reply_version
 

@@ -30,7 +30,7 @@ def test_the_table_covers_both_families_with_every_outcome() -> None:
     assert outcomes == {
         ("numeric", 0.0): 1600, ("numeric", 1.0): 272, ("numeric", "ValueError"): 144,
         ("numeric", "OverflowError"): 144, ("text", 0.0): 1528, ("text", 1.0): 479, ("text", "IndexError"): 9,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("family", ["numeric", "text"])

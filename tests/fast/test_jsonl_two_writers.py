@@ -37,7 +37,7 @@ def test_two_processes_finishing_points_at_once_lose_no_row_and_interleave_none(
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(first), str(N)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
-             for first in (0, 1000)]  # fmt: skip
+             for first in (0, 1000)]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"

@@ -19,7 +19,7 @@ SCORES = {1: 0.2, 2: 0.9, 3: 0.5, 4: 0.8, 5: 0.1, 6: 0.3}
 
 def _measured(step: int, score: float, run: str = "exp1") -> MetricRow:
     return MetricRow(run=run, step=step, dataset="arith_add", state="measured", weight_version=str(step),
-                     metrics={METRIC: score, "eval/step": float(step)})  # fmt: skip
+                     metrics={METRIC: score, "eval/step": float(step)})
 
 
 def _snapshot(root: Path, step: int) -> None:
@@ -92,7 +92,7 @@ def test_other_runs_and_unmeasured_rows_do_not_rank() -> None:
         _measured(1, 0.5), _measured(2, 0.5), _measured(3, 0.4), _measured(4, 0.99, run="other"),
         MetricRow(run="exp1", step=5, state="failed", reason="crashed", metrics={METRIC: 1.0}),
         MetricRow(run="exp1", step=6, dataset="other_ds", state="measured", metrics={"eval/other_ds": 1.0}),
-    ]  # fmt: skip
+    ]
     assert best_steps(rows, "exp1", METRIC, 2) == frozenset({1, 2}), "ties go to the earliest step"
     assert best_steps(rows, "exp1", METRIC, 1) == frozenset({1})
     assert best_steps(rows, "exp1", METRIC, 1, "min") == frozenset({3})

@@ -64,7 +64,7 @@ def test_adapter_snapshot_is_checked_like_any_snapshot(adapter: Path, tmp_path: 
     assert result.complete, result.detail
     assert sorted(p.name for p in Path(dest).iterdir()) == [
         ".complete", "adapter_config.json", "adapter_model.safetensors"
-    ]  # fmt: skip
+    ]
     weights = Path(dest) / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])
     truncated = check_snapshot(dest)
@@ -103,7 +103,7 @@ def test_adapter_that_does_not_fit_the_base_names_the_file(base: Path, adapter: 
 def test_unsupported_adapter_configs_name_the_field(adapter: Path, tmp_path: Path) -> None:
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     for update, field in (({"use_dora": True}, "use_dora"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-                          ({"r": 0}, "r")):  # fmt: skip
+                          ({"r": 0}, "r")):
         bad = tmp_path / field
         bad.mkdir()
         (bad / "adapter_config.json").write_text(json.dumps({**cfg, **update}))
@@ -118,13 +118,13 @@ def test_a_trainers_peft_model_is_written_and_merged_like_peft(base: Path, tmp_p
 
     torch.manual_seed(0)
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "gate_proj"],
-                             init_lora_weights=False, use_rslora=True)  # fmt: skip
+                             init_lora_weights=False, use_rslora=True)
     trained = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config).eval()
     staged = write_adapter_snapshot(trained, str(tmp_path / "step_9"))
     assert check_snapshot(staged).complete
     assert len(read_adapter(staged).modules) == 3 * 2  # 3 targets x 2 layers
     merged = AutoModelForCausalLM.from_pretrained(export_merged(staged, base, str(tmp_path / "merged")),
-                                                  dtype=torch.float32).eval()  # fmt: skip
+                                                  dtype=torch.float32).eval()
     ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))
     assert (_logits(trained, ids) - _logits(merged, ids)).abs().max().item() <= 1e-5
 

@@ -179,7 +179,7 @@ def test_scored_sample_score_applies_reward_and_truncation() -> None:
     stopped = ScoredSample.score(
         exact_match, prompt_index=0, sample_index=0, response="8", label="7", response_len=1,
         finish_reason="stop", weight_version="5",
-    )  # fmt: skip
+    )
     assert (stopped.reward, stopped.truncated) == (0.0, False)
 
 
@@ -191,7 +191,7 @@ def test_scored_sample_score_propagates_reward_errors() -> None:
         ScoredSample.score(
             broken, prompt_index=0, sample_index=0, response="x", label="y", response_len=1,
             finish_reason=None, weight_version=None,
-        )  # fmt: skip
+        )
 
 
 def test_point_metrics() -> None:

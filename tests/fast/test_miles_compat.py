@@ -27,7 +27,7 @@ MILES_FIELDS = [
     "rollout_routed_experts", "rollout_indexer_topk", "remove_sample", "teacher_log_probs", "opd_reverse_kl",
     "status", "metadata", "generate_function_path", "train_metadata", "adapter", "reward_spec", "routing_key",
     "non_generation_time",
-]  # fmt: skip
+]
 
 
 def _in_subprocess(code: str) -> str:
@@ -78,7 +78,7 @@ def test_sample_has_miles_fields_status_and_meta_info_update() -> None:
 
 def test_agent_request_kwargs_use_chat_completion_names() -> None:
     params = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "sampling_seed": 7,
-              "no_stop_trim": True, "stop": None}  # fmt: skip
+              "no_stop_trim": True, "stop": None}
     assert request_kwargs(params) == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 7}
 
 

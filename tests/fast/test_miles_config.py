@@ -23,7 +23,7 @@ def test_miles_multi_task_example_loads() -> None:
     aime, gpqa = suite.resolved()
     assert (aime.name, aime.reward, aime.n_samples_per_prompt, aime.max_new_tokens, aime.top_p) == (
         "aime", "deepscaler", 16, 16384, 0.7
-    )  # fmt: skip
+    )
     assert (gpqa.reward, gpqa.n_samples_per_prompt, str(gpqa.path)) == ("gpqa", 2, "/root/gpqa/gpqa_eval.jsonl")
 
 
@@ -41,7 +41,7 @@ def test_chat_eval_config_loads_every_part_with_miles_precedence() -> None:
     assert (math500.input_key, math500.temperature, math500.n_samples_per_prompt) == ("messages", 0.6, 4)
     assert (dapo.reward, dapo.input_key, dapo.max_new_tokens, dapo.metadata_overrides) == (
         "dapo", "prompt", 8192, {"split": "test"}
-    )  # fmt: skip
+    )
     assert (gpqa.reward, gpqa.temperature, gpqa.n_samples_per_prompt, gpqa.stop) == ("gpqa", 0.0, 1, ("</answer>",))
     assert (judge.reward, suite.remote_reward) == ("remote_rm", JUDGE)
 
@@ -92,7 +92,7 @@ def test_unsupported_dataset_keys_are_refused_by_path(edit: dict, message: str) 
         ({"eval": {"defaults": {"rm_type": "math", "tool_key": 3}, "datasets": {"a": {"path": "/a"}}}},
          r"^eval\.defaults\.tool_key: Input should be a valid string"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_sections_are_refused_by_path(cfg: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EvalSuite.from_miles_yaml(json.dumps(cfg))
@@ -113,7 +113,7 @@ def test_metadata_key_reads_the_rows_metadata_object_and_applies_overrides(tmp_p
         ],
     )
     cfg = {"datasets": [{"name": "d", "path": "d.jsonl", "label_key": "answer", "metadata_key": "extra_info",
-                         "metadata_overrides": {"split": "test"}}]}  # fmt: skip
+                         "metadata_overrides": {"split": "test"}}]}
     [ds] = EvalSuite.from_miles_yaml(json.dumps(cfg), base_dir=str(tmp_path), rm_type="f1").resolved()
     assert [s.metadata for s in load_dataset(ds)] == [
         {"choices": ["x", "y"], "split": "test"},

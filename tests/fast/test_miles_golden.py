@@ -70,12 +70,12 @@ def test_labels_reach_the_reward_with_their_json_type(tmp_path: Path) -> None:
     rows = [r for r in ROWS if r["rm_type"] in MILES_TYPES]
     path = tmp_path / "golden.jsonl"
     path.write_text("".join(json.dumps({"prompt": r["id"], "label": r["label"], "meta": r["metadata"]}) + "\n"
-                            for r in rows), encoding="utf-8")  # fmt: skip
+                            for r in rows), encoding="utf-8")
     [ds] = EvalSuite(datasets=(DatasetSpec(name="g", path=str(path), reward="f1", metadata_key="meta"),)).resolved()
     loaded = load_dataset(ds)
     assert [(s.label, type(s.label)) for s in loaded] == [(r["label"], type(r["label"])) for r in rows]
     diffs = [r["id"] for r, s in zip(rows, loaded, strict=True)
-             if not agrees(r, score_row({**r, "label": s.label, "metadata": s.metadata}))]  # fmt: skip
+             if not agrees(r, score_row({**r, "label": s.label, "metadata": s.metadata}))]
     assert not diffs
 
 

@@ -20,4 +20,4 @@ def test_one_sample_per_response_prompt_major() -> None:
          "prompt": "", "response": ""},
         {"index": 2, "reward": 0.0, "response_length": 0, "status": "completed", "weight_versions": [],
          "prompt": "", "response": ""},
-    ]  # fmt: skip
+    ]

@@ -403,7 +403,7 @@ def test_a_failing_query_marks_the_view_stale_and_logs_at_debug_within_its_first
     sync = AdmissionSync(
         "exp", rest, view, ExportTarget(None, None), BLOCKS, spooled=set, enqueue=[].append, poll_s=30,
         idle_sync_s=30,
-    )  # fmt: skip
+    )
     sync.start()
     try:
         sync.wait_first(30)

@@ -41,7 +41,7 @@ def _runs(*states: tuple[int, str]) -> tuple[int, bytes]:
         {"id": f"id{s}", "name": f"exp-{s}", "parameters": {"run": "exp", "step": s},
          "state": {"type": t, "name": t.title()}, "created": f"2026-01-01T00:00:0{s}Z"}
         for s, t in states
-    ]).encode()  # fmt: skip
+    ]).encode()
 
 
 class _ScriptedApi:
@@ -227,14 +227,14 @@ def test_refresh_hands_each_lost_request_back_with_the_clients_blocks(api_factor
         view.sent(_request(step))
     enqueued: list[SpoolEntry] = []
     sync = _sync(api_factory([_runs((1, "RUNNING"), (2, "COMPLETED"))]), view, enqueue=enqueued.append,
-                 spooled=lambda: {6})  # fmt: skip
+                 spooled=lambda: {6})
     assert sync.refresh() == {1, 5, 6}
     assert enqueued == [run_request_entry(_request(5), BLOCKS)]  # 6 is still in the spool: not lost
 
 
 def test_each_pass_reads_the_staging_block_until_it_has_its_credentials(api_factory) -> None:
     block = {"data": {"endpoint_url": "http://127.0.0.1:1", "region_name": "us-east-1",
-                      "aws_access_key_id": "AK", "aws_secret_access_key": "SK"}}  # fmt: skip
+                      "aws_access_key_id": "AK", "aws_secret_access_key": "SK"}}
     api = api_factory([_runs()], block=(200, json.dumps(block).encode()))
     target = ExportTarget("s3://bucket/stage", None)
     sync = _sync(api, target=target)

@@ -22,7 +22,7 @@ def test_a_fleet_that_is_not_up_is_an_unhealthy_skip_naming_fleet_up(tmp_path: P
         block.client()
     assert (info.value.reason, info.value.message) == (
         "unhealthy", f"fleet 'mine' is not up: no state file {state}; start it with `pinned-eval fleet up "
-                     f"--model-path DIR --state-file {state}`")  # fmt: skip
+                     f"--model-path DIR --state-file {state}`")
 
 
 class _Workers:
@@ -39,7 +39,7 @@ def test_wait_on_a_point_no_worker_takes_names_pinned_eval_worker() -> None:
     client = _Workers(["OFFLINE"])
     assert no_worker_hint(client, "pinned-eval") == (  # type: ignore[arg-type]
         "no worker is polling the work pool 'pinned-eval': start one with `pinned-eval worker` (in another "
-        "terminal, in this project's directory)")  # fmt: skip
+        "terminal, in this project's directory)")
     assert client.asked == ["pinned-eval"]
     busy = _Workers(["ONLINE"])
     assert no_worker_hint(busy, "p") == (  # type: ignore[arg-type]

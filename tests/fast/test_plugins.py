@@ -124,7 +124,7 @@ LONGEST = "a" + "b" * 99  # 100 characters: the widest name the project ever acc
 def test_one_block_name_rule_accepts(name: str) -> None:
     assert validate_name(name) == name  # the CLI creating a block
     assert FleetBlock(name=name, mode="attach", engine_urls=["http://127.0.0.1:1"],
-                      router_url="http://127.0.0.1:2").lock_name == f"fleet-{name}"  # fmt: skip
+                      router_url="http://127.0.0.1:2").lock_name == f"fleet-{name}"
     req = PointRequest(run="r", step=1, source={"kind": "hf", "path": "/x"}, posture="external", backend_block=name)
     assert req.backend_block == name
 

@@ -20,7 +20,7 @@ def test_best_is_the_highest_earlier_value() -> None:
     found = RegressionRule().check("ds", 40, _now(0.55, high=0.70), HISTORY)
     # step 50 is later than 40: ignored
     assert found == Regression(dataset="ds", metric="eval/ds", value=0.55, baseline=0.80, baseline_step=20,
-                               drop=0.80 - 0.55, ci95_high=0.70)  # fmt: skip
+                               drop=0.80 - 0.55, ci95_high=0.70)
 
 
 def test_previous_is_the_nearest_earlier_step() -> None:

@@ -57,7 +57,7 @@ async def test_rewards_come_back_in_order_and_the_service_sees_prompt_label_meta
     assert rewards == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     assert sorted(seen, key=lambda s: s["metadata"]["i"])[3] == {
         "prompt": "p3", "response": "r3", "label": "r0", "metadata": {"i": 3}
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize(

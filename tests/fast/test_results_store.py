@@ -20,7 +20,7 @@ from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
 def _gen(ds: str, i: int, response: str, j: int = 0) -> dict[str, object]:
     return {"dataset": ds, "prompt_index": i, "sample_index": j, "prompt": f"p{i}", "label": 7 if i else "x",
             "metadata": {"k": [i]}, "response": response, "response_len": 3, "finish_reason": "length",
-            "weight_version": "5", "prompt_tokens": 4}  # fmt: skip
+            "weight_version": "5", "prompt_tokens": 4}
 
 
 def _samples(rewards: dict[int, float], ds: str = "d") -> object:

@@ -69,7 +69,7 @@ class FakeRouter:
             "text": f"answer-{n}",
             "meta_info": {"finish_reason": {"type": "length" if n % 2 else "stop"}, "prompt_tokens": 10 + n,
                           "completion_tokens": n, "weight_version": self.serving},
-        })  # fmt: skip
+        })
         check_version(result, expected_version)
         return result
 
@@ -137,7 +137,7 @@ def test_registry_refuses_a_second_kind_of_the_same_name() -> None:
 
         @asynccontextmanager
         async def open(self, session: PointSession, datasets: Sequence[ResolvedDataset],
-                       rows: Mapping[str, Sequence[EvalSample]]):  # fmt: skip
+                       rows: Mapping[str, Sequence[EvalSample]]):
             yield None
 
     with pytest.raises(ValueError, match=r"^rollout 'single_turn': already registered \(SingleTurn\)$"):
@@ -158,7 +158,7 @@ async def test_run_rollouts_single_turn_requests_and_samples() -> None:
     started: list[tuple[int, int]] = []
     done: list[Sample] = []
     out = await run_rollouts(session, DATASETS, rows, on_start=lambda n: started.append((n, len(session.calls))),
-                             on_sample=done.append)  # fmt: skip
+                             on_sample=done.append)
     assert started == [(7, 0)], "on_start once, with the total, before the first request"
     assert sorted(done, key=_work_order) == out and len(done) == 7
     assert [(s.dataset, s.prompt_index, s.sample_index) for s in out] == WORK
@@ -169,14 +169,14 @@ async def test_run_rollouts_single_turn_requests_and_samples() -> None:
         "text": "2+1=", "rid": "exp42-7-add-2-0", "lora_path": "7",
         "sampling_params": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 5, "stop": ["\n"],
                             "sampling_seed": 2000},
-    }  # fmt: skip
+    }
     assert by_rid["exp42-7-sub-1-1"]["sampling_params"] == {
         "temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_new_tokens": 5, "sampling_seed": 1001}  # no empty stop
     first = next(s for s in out if (s.dataset, s.prompt_index, s.sample_index) == ("sub", 1, 1))
     n = int(first.response.removeprefix("answer-"))
     assert first == Sample(dataset="sub", prompt_index=1, sample_index=1, prompt="1-0=", label=1, metadata={},
                            response=f"answer-{n}", response_len=n, prompt_tokens=10 + n,
-                           finish_reason="length" if n % 2 else "stop", weight_version="7")  # fmt: skip
+                           finish_reason="length" if n % 2 else "stop", weight_version="7")
     assert (first.messages, first.turns, first.tool_calls, first.status, first.reward, first.usage) == (None,) * 6
     c = session.counters
     assert (c.requests, c.completed, c.prompt_tokens, c.completion_tokens) == (7, 7, 7 * 10 + 28, 28)
@@ -202,13 +202,13 @@ async def test_session_counts_a_refused_reply_as_requested_not_completed() -> No
     assert (session.counters.requests, session.counters.completed) == (1, 0)
     assert (session.max_concurrency, session.abort_retries, session.expected_version) == (4, 3, "7")
     assert session.router.bodies == [{"text": "1+1=", "rid": "exp42-7-add-0-0",
-                                      "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}]  # fmt: skip
+                                      "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}]
 
 
 def test_generation_is_the_sample_record_for_one_release_and_it_is_frozen() -> None:
     assert Generation is Sample
     sample = Sample(dataset="d", prompt_index=0, sample_index=0, prompt="p", label="l", metadata={}, response="r",
-                    response_len=1, finish_reason="stop", weight_version="7")  # fmt: skip
+                    response_len=1, finish_reason="stop", weight_version="7")
     with pytest.raises(ValidationError, match="frozen"):
         sample.response = "other"
     assert sample.usage is None and Usage(requests=1).model_dump() == {

@@ -63,7 +63,7 @@ def test_a_baseline_exactly_at_the_interval_top_is_explained_and_the_least_one_a
     assert rule.outside_interval and rule.check("ds", 20, _at(0.5, high=0.75), BASE) is None
     found = rule.check("ds", 20, _at(0.5, high=BELOW(0.75, 0)), BASE)
     assert found == Regression(dataset="ds", metric="eval/ds", value=0.5, baseline=0.75, baseline_step=10,
-                               drop=0.25, ci95_high=BELOW(0.75, 0))  # fmt: skip
+                               drop=0.25, ci95_high=BELOW(0.75, 0))
 
 
 def test_an_earlier_point_at_the_same_step_is_no_baseline_and_one_step_before_is() -> None:
@@ -100,7 +100,7 @@ def test_a_request_holds_its_slot_until_exactly_the_visibility_timeout(monkeypat
 
     def decide(step: int) -> tuple[str, int]:
         verdict, n, _, offline = view.decide(step, final=False, policy="skip", max_in_flight=1, spooled=set,
-                                             poll_s=0.01, wake=lambda: None)  # fmt: skip
+                                             poll_s=0.01, wake=lambda: None)
         assert not offline
         return verdict, n
 

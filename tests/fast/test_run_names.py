@@ -35,7 +35,7 @@ from tests.snapshot_fixtures import named_tensors
 HF = SnapshotSource(kind="hf", path="/c")
 ACCEPTED = ["Exp42", "exp42", "qwen3-8b-v1.2", "exp-1_a", "A", "9." + "x" * 61]
 REFUSED = ["", "a/b", "a\\b", "..", "a..b", "../x", ".hidden", "-x", "_x", "a b", "a\tb", "a\nb", "exp42\n",
-           "a\x00b", "é", "x" * 64]  # fmt: skip
+           "a\x00b", "é", "x" * 64]
 
 names = st.from_regex(RUN_RE, fullmatch=True).filter(lambda r: ".." not in r)
 
@@ -58,13 +58,13 @@ def test_unsafe_run_names_are_refused_with_a_sentence(run: str) -> None:
 
 def test_the_rule_is_a_sentence_with_examples_not_a_regex() -> None:
     assert RUN_RULE == ("a run name is 1 to 63 letters, digits, '.', '_' or '-', starting with a letter or a digit, "
-                        "without '..' (e.g. `Exp42`, `qwen3-8b-v1.2`)")  # fmt: skip
+                        "without '..' (e.g. `Exp42`, `qwen3-8b-v1.2`)")
 
 
 def test_keys_keep_lowercase_names_and_escape_capitals_and_dots() -> None:
     assert [run_key(r) for r in ("exp42", "exp-1_a", "Exp42", "qwen3-8b-v1.2", "EXP")] == [
         "exp42", "exp-1_a", "e.xp42", "qwen3-8b-v1_.2", "e.x.p.",
-    ]  # fmt: skip
+    ]
     assert run_of_key("e.xp42") == "Exp42" and run_of_key(".exp") is None and run_of_key("a..b") is None
 
 
@@ -72,11 +72,11 @@ def test_artifact_keys_and_variable_names_are_what_prefect_accepts() -> None:
     runs = ("exp42", "exp-42", "exp_42", "Exp42", "qwen3-8b-v1.2")
     assert [history_artifact_key(r) for r in runs] == [
         "eval-exp42", "eval-exp--42", "eval-exp-u42", "eval-e-dxp42", "eval-qwen3--8b--v1-u-d2",
-    ]  # fmt: skip
+    ]
     assert [progress_variable_name(r) for r in runs] == [
         "pinned_eval_progress_exp42", "pinned_eval_progress_exp-42", "pinned_eval_progress_exp__42",
         "pinned_eval_progress_e_dxp42", "pinned_eval_progress_qwen3-8b-v1___d2",
-    ]  # fmt: skip
+    ]
 
 
 @given(names, names)

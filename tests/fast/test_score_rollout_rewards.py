@@ -18,7 +18,7 @@ def _sample(i: int, response: str, *, reward: float | None = None, status: str |
         dataset="add", prompt_index=i, sample_index=0, prompt=f"p{i}", label="7", metadata={},
         response=response, response_len=1, finish_reason="stop", weight_version="5",
         status=status, reward=reward,
-    )  # fmt: skip
+    )
 
 
 def test_a_preset_reward_is_kept_others_scored_aborted_unscored() -> None:

@@ -29,7 +29,7 @@ def _apply(path: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     return subprocess.run([sys.executable, "-m", "app.cli", "block", "apply", path], capture_output=True, text=True,
-                          timeout=60, env=env, cwd=REPO)  # fmt: skip
+                          timeout=60, env=env, cwd=REPO)
 
 
 def test_block_apply_refuses_a_fifo_a_neighbour_planted_at_once(neighbour: Neighbour, shared_dir: Path) -> None:
@@ -74,7 +74,7 @@ def test_errors_never_echo_the_files_text(tmp_path: Path) -> None:
     path = tmp_path / "not-mine.yaml"
     path.write_text(f"{secret}: x\nother: y\n")
     for read, said in ((load_project_config, f"{path}: (a key that is not a name): not a section"),
-                       (EvalSuite.from_miles_yaml, "eval.(a key that is not a name): not supported")):  # fmt: skip
+                       (EvalSuite.from_miles_yaml, "eval.(a key that is not a name): not supported")):
         with pytest.raises(ValueError) as info:
             read(path)
         assert str(info.value).startswith(said) and secret not in str(info.value)

@@ -82,7 +82,7 @@ def test_tiny_model_refuses_an_empty_value_naming_the_current_directory(
     ("/etc", "already exists and holds files this command did not write"),
     ("/proc/self", "already exists as a symlink"),
     ("/proc/self/fd", "already exists and holds files this command did not write"),
-])  # fmt: skip
+])
 def test_tiny_model_refuses_system_directories(out: str, said: str) -> None:
     assert _refused(["tiny-model", "--out", out]) == f"error: --out {out!r} {said}; give a new directory"
     assert not Path(out, ".complete").exists()
@@ -108,13 +108,13 @@ def test_export_never_deletes_or_writes_through_a_neighbours_symlink(
     out = shared_dir / "export"
     assert run_as(neighbour, SYMLINK, str(victim), str(out)).returncode == 0
     line = _refused(["export", "--state-dict", str(tmp_path / "w.safetensors"), "--hf-base", str(llama),
-                     "--out", str(out)])  # fmt: skip
+                     "--out", str(out)])
     assert line == f"error: --out {str(out)!r} already exists as a symlink; give a new directory"
     assert _contents(victim) == files
     # a new directory is written, and a second export over its own output is allowed
     mine = tmp_path / "mine"
     for _ in range(2):
         result = CliRunner().invoke(app, ["export", "--state-dict", str(tmp_path / "w.safetensors"),
-                                          "--hf-base", str(llama), "--out", str(mine)])  # fmt: skip
+                                          "--hf-base", str(llama), "--out", str(mine)])
         assert result.exit_code == 0, result.output
     assert stat.S_IMODE(mine.stat().st_mode) == 0o700

@@ -50,13 +50,13 @@ def test_a_request_naming_a_class_path_or_options_is_refused_naming_the_field(ex
 
 def test_the_external_posture_names_a_saved_block_only() -> None:
     req = PointRequest(run="exp42", step=1, source=SnapshotSource(kind="hf", path="/c"), posture="external",
-                       backend_block="sglang-cpu")  # fmt: skip
+                       backend_block="sglang-cpu")
     assert req.model_dump(mode="json")["backend_block"] == "sglang-cpu"
     with pytest.raises(ValidationError, match="backend_block"):
         PointRequest(run="exp42", step=1, source=SnapshotSource(kind="hf", path="/c"), posture="external")
     with pytest.raises(ValidationError, match="backend_block"):  # a block name, not a dotted path
         PointRequest(run="exp42", step=1, source=SnapshotSource(kind="hf", path="/c"), posture="external",
-                     backend_block="tests.evil:Evil")  # fmt: skip
+                     backend_block="tests.evil:Evil")
 
 
 def test_run_names_with_a_trailing_newline_are_refused_everywhere(tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ def test_a_launch_error_log_tail_is_scrubbed(tmp_path: Path) -> None:
     LaunchError's log tail shows neither key; the log itself is 0600 in a 0700 directory."""
     printer = "import os; print('api_key=' + os.environ['K1'], os.environ['K2']); raise SystemExit(3)"
     spec = ProcessSpec(role="engine", command=[sys.executable, "-c", printer], env={"K1": API, "K2": ADMIN},
-                       port=free_port())  # fmt: skip
+                       port=free_port())
     log_dir = tmp_path / "logs"
     with pytest.raises(LaunchError) as err:
         launch_fleet([spec], log_dir=log_dir, keys=KEYS, with_router=False, ready_timeout_s=30)

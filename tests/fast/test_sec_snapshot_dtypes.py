@@ -56,7 +56,7 @@ def test_an_integer_tensor_in_a_bf16_model_is_refused(base: Path, tmp_path: Path
     (torch.bfloat16, {}),  # a bf16 tensor in a float32 model: transformers casts on load
     (torch.float32, {"torch_dtype": "bfloat16", "dtype": "bfloat16"}),  # an F32 norm in a bf16 model
     (torch.float8_e4m3fn, {"torch_dtype": "bfloat16", "dtype": "bfloat16"}),  # FP8 weights
-])  # fmt: skip
+])
 def test_mixed_floating_point_tensors_are_legitimate(
     base: Path, tmp_path: Path, dtype: torch.dtype, config: dict[str, object]
 ) -> None:

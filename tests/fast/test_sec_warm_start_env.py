@@ -15,7 +15,7 @@ from app.warm_start.client import SOCKET_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ["LD_PRELOAD", "PYTHONPATH", "PATH", "PREFECT_EXTRA_ENTRYPOINTS", "PREFECT__FLOW_RUN_ID", "PINNED_EVAL_PROBE",
-        "PINNED_EVAL_SERVER_ONLY", "LANG"]  # fmt: skip
+        "PINNED_EVAL_SERVER_ONLY", "LANG"]
 
 
 def test_only_allowlisted_keys_of_the_clients_environment_reach_the_flow_run(tmp_path: Path) -> None:
@@ -25,16 +25,16 @@ def test_only_allowlisted_keys_of_the_clients_environment_reach_the_flow_run(tmp
     server_env = dict(base, PYTHONPATH=str(REPO), PATH="/usr/bin:/bin", PINNED_EVAL_SERVER_ONLY="server")
     with open(tmp_path / "server.log", "w") as log:
         server = subprocess.Popen([*server_command(sock), "--module", "tests.warm_child"], cwd=REPO, env=server_env,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_listening(sock, server)
         client_env = dict(
             base, **{SOCKET_ENV: str(sock)}, LD_PRELOAD="/nonexistent/evil.so", PYTHONPATH="/nonexistent/evil",
             PATH=f"/nonexistent/bin:{os.environ['PATH']}", PREFECT_EXTRA_ENTRYPOINTS="evil_module",
             PREFECT__FLOW_RUN_ID="run-1", PINNED_EVAL_PROBE="per-run", LANG="C.UTF-8",
-        )  # fmt: skip
+        )
         done = subprocess.run([sys.executable, "-S", str(CLIENT), "env", *KEYS], env=client_env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+                              capture_output=True, text=True, timeout=60)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)

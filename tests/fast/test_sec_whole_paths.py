@@ -45,7 +45,7 @@ SUITE = EvalSuite(
 def _gen(response: str) -> dict[str, object]:
     return {"dataset": "arith_add", "prompt_index": 0, "sample_index": 0, "prompt": "0+0=", "label": "0",
             "metadata": {}, "response": response, "response_len": 1, "finish_reason": "stop",
-            "weight_version": "5"}  # fmt: skip
+            "weight_version": "5"}
 
 
 def _files(d: Path) -> list[str]:

@@ -41,7 +41,7 @@ def test_mark_refuses_a_truncated_shard_with_the_reason(ckpt: Path) -> None:
     os.truncate(ckpt / "model.safetensors", 1000)
     code, out = cli("snapshot", "mark", str(ckpt))
     assert (code, out.strip()) == (1, f"error: {ckpt}: not marked: truncated_shard: model.safetensors: header of "
-                                      "2136 bytes, file 1000 bytes")  # fmt: skip
+                                      "2136 bytes, file 1000 bytes")
     assert not (ckpt / ".complete").exists()
 
 
@@ -53,7 +53,7 @@ def test_mark_refuses_a_marker_older_than_the_weights(ckpt: Path) -> None:
     code, out = cli("snapshot", "mark", str(ckpt))
     assert (code, out.strip()) == (1, f"error: {ckpt}: not marked: stale_marker: bare .complete is older than "
                                       f"['model.safetensors']; if the files are final, remove {ckpt / '.complete'} "
-                                      "and mark again")  # fmt: skip
+                                      "and mark again")
 
 
 def test_mark_refuses_what_is_not_a_local_directory(tmp_path: Path) -> None:

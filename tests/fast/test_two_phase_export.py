@@ -361,7 +361,7 @@ def test_a_collectives_staged_snapshot_is_written_by_the_client_or_its_buffer_ha
 
 def test_close_finishes_the_background_write_and_spools_its_request(tmp_path):
     client = EvalClient("exp42", f"http://127.0.0.1:{free_port()}/api", startup_sync_s=0,
-                        spool_dir=tmp_path / "spool", staging_root=tmp_path / "staging")  # fmt: skip
+                        spool_dir=tmp_path / "spool", staging_root=tmp_path / "staging")
     exporter = Gated(StateDictExport(_model()))
     assert client.dispatch(3, export=exporter).action == "exporting"
     waiting = threading.Event()
@@ -401,7 +401,7 @@ def test_state_dict_export_casts_while_staging_so_the_buffer_is_the_written_size
     assert {k: v.dtype for k, v in staged.tensors.items()} == {
         "0.weight": torch.bfloat16, "0.bias": torch.bfloat16, "1.weight": torch.bfloat16, "1.bias": torch.bfloat16,
         "count": torch.int64,
-    }  # fmt: skip
+    }
     assert pool.capacity_bytes == 5 * 64  # every tensor fits one 64-byte slot in bf16
     staged.write(str(tmp_path / "snap"))
     [shard] = (tmp_path / "snap").glob("*.safetensors")
@@ -417,8 +417,8 @@ def test_a_snapshot_being_written_counts_in_flight_for_admission():
     view = AdmissionView("exp42", visible_timeout_s=60)
     view.refresh([], set())  # a fresh, empty server view
     verdict, n, _, offline = view.decide(5, final=False, policy="skip", max_in_flight=1, spooled=lambda: {3},
-                                         poll_s=0.01, wake=lambda: None)  # fmt: skip
+                                         poll_s=0.01, wake=lambda: None)
     assert (verdict, n, offline) == ("busy", 1, False)
     verdict, n, _, _ = view.decide(5, final=False, policy="skip", max_in_flight=1, spooled=set,
-                                   poll_s=0.01, wake=lambda: None)  # fmt: skip
+                                   poll_s=0.01, wake=lambda: None)
     assert (verdict, n) == ("ok", 0)

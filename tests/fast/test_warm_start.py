@@ -29,7 +29,7 @@ def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             [sys.executable, "-m", "app.warm_start.server", "--socket", str(sock), "--module", "tests.warm_child"],
             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     try:
         deadline = time.monotonic() + 120
         while not sock.exists():
@@ -47,7 +47,7 @@ def client(args: list[str], env: dict[str, str], cwd: Path, **kw) -> subprocess.
     return subprocess.Popen(
         [sys.executable, "-S", str(CLIENT), *args], env=env, cwd=cwd, text=True,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw,
-    )  # fmt: skip
+    )
 
 
 def test_client_passes_stdio_cwd_env_argv_and_exit_status(fork_server: Path, tmp_path: Path) -> None:

@@ -54,18 +54,18 @@ class Burst:
 def burst(
     prefect_server: str, deployed: Deployed, cpu_fleet: CpuFleet, tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Burst]:  # fmt: skip
+) -> Iterator[Burst]:
     tmp = tmp_path_factory.mktemp("burst")
     fleet = FleetBlock(name="burst", mode="launch", state_file=str(cpu_fleet.state_file))
     env = save_point_blocks(tmp, fleet, suite=tiny_suite(), keep_snapshots=KEEP)
     with EvalClient(
         env.run, deployed.api_url, blocks=BlockNames(**env.blocks), policy="skip", max_in_flight=MAX_IN_FLIGHT,
         staging_root=env.staging_root, exporter=snapshot_exporter(tiny_model), spool_dir=tmp / "spool",
-    ) as client:  # fmt: skip
+    ) as client:
         report = run_burst(
             client, api_url=deployed.api_url, staging_root=env.staging_root, keep_snapshots=KEEP, steps=STEPS,
             step_seconds=0.05, drain_timeout_s=150,
-        )  # fmt: skip
+        )
         undelivered = len(client.spool.rejected()) + len(client.spool.pending())
     print("burst:", report.summary())
     yield Burst(report, env, deployed.api_url, undelivered)

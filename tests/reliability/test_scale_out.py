@@ -75,7 +75,7 @@ def _start_worker(name: str, env: dict[str, str], log: Path) -> Worker:
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process",
              "--name", name, "--limit", "1"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        )
     return Worker(name, proc.pid, log)
 
 
@@ -104,7 +104,7 @@ def _gone(pid: int) -> bool:
 def _create_pool(server: ServerProcess, home: Path) -> None:
     """Process pool `pinned-eval`, through the API (`prefect work-pool create` costs a Prefect import)."""
     pool = WorkPoolCreate(name="pinned-eval", type="process",
-                          base_job_template=ProcessWorker.get_default_base_job_template())  # fmt: skip
+                          base_job_template=ProcessWorker.get_default_base_job_template())
     with use_server(server.api_url, home, auth_string=server.auth_string), get_client(sync_client=True) as c:
         c.create_work_pool(pool)
 
@@ -122,10 +122,10 @@ def postgres_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgre
         workers: list[Worker] = []
         try:
             env = dict(os.environ, PREFECT_API_URL=server.api_url, PREFECT_HOME=str(home),
-                       PINNED_EVAL_PROJECT_DIR=str(REPO), PREFECT_API_AUTH_STRING=server.auth_string)  # fmt: skip
+                       PINNED_EVAL_PROJECT_DIR=str(REPO), PREFECT_API_AUTH_STRING=server.auth_string)
             _create_pool(server, home)
             worker_env = dict(env, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
-                              PREFECT_LOGGING_LEVEL="INFO")  # fmt: skip
+                              PREFECT_LOGGING_LEVEL="INFO")
             logs = tmp_path_factory.mktemp("pg-workers")
             # the workers start up (a Prefect import each) while `prefect deploy` runs
             workers = [_start_worker(n, worker_env, logs / f"{n}.log") for n in WORKERS]
@@ -159,7 +159,7 @@ def _client(env: PointEnv, api_url: str, tiny_model: Path, spool: Path) -> EvalC
     return EvalClient(
         env.run, api_url, blocks=BlockNames(**env.blocks), policy="backpressure", max_in_flight=STEPS,
         staging_root=env.staging_root, exporter=snapshot_exporter(tiny_model), spool_dir=spool,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.timeout(300)
@@ -216,7 +216,7 @@ def test_points_spread_over_two_workers_and_two_fleets_on_postgres(
         assert ran == [executed[fr]], (fr, executed[fr])
         races += sum(1 for text in logs.values() if _aborted(fr) in text)
     print("points per worker:", {w: sum(1 for i in flow_run_ids if executed[i] == w) for w in WORKERS},
-          "submissions turned away by the server:", races)  # fmt: skip
+          "submissions turned away by the server:", races)
 
     # the orchestration state lives in Postgres
     for run in outcomes:

@@ -101,7 +101,7 @@ def test_wandb_failure_leaves_the_point_measured_with_the_error_beside_it(
     assert [(row["step"], row["state"]) for row in table] == [(5, "measured")]
     warnings = _warnings(state.state_details.flow_run_id, "sink wandb failed")
     assert any(f"sink wandb failed for {env.run}/step-5 after 3 attempts" in m and "NotADirectoryError" in m
-               for m in warnings), warnings  # fmt: skip
+               for m in warnings), warnings
 
 
 _RUN_POINT = """
@@ -135,7 +135,7 @@ def test_artifact_api_failure_leaves_the_point_measured_and_a_single_one_is_retr
     try:
         env_vars = {**os.environ, "PREFECT_API_URL": f"{proxy.url}/api", "PYTHONPATH": str(REPO)}
         proc = subprocess.run([sys.executable, "-c", _RUN_POINT, json.dumps(params)], cwd=REPO, env=env_vars,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+                              capture_output=True, text=True, timeout=300)
     finally:
         proxy.close()
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("STATE ")] or [proc.stdout + proc.stderr[-3000:]]
@@ -176,7 +176,7 @@ def test_non_utf8_dataset_fails_the_point_before_export_naming_file_and_line(
     data = tmp_path / "rows.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "label": "2"}\n{"prompt": "caf\xe9", "label": "x"}\n')
     suite = EvalSuite(datasets=(DatasetSpec(name="rows", path=str(data)),),
-                      defaults=SamplingDefaults(temperature=0.0, max_new_tokens=2))  # fmt: skip
+                      defaults=SamplingDefaults(temperature=0.0, max_new_tokens=2))
     env = save_point_blocks(tmp_path, _dead_fleet(), suite=suite)
     source = _staged(env, 3)
     state = eval_point(**env.params(3, source=source), return_state=True)  # type: ignore[arg-type]

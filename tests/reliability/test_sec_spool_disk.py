@@ -114,21 +114,21 @@ def test_full_spool_disk_when_a_point_is_busy_is_a_skipped_point_naming_the_busy
     `skipped_spool_failed` whose reason names the busy skip and the disk; never raises."""
     runs = [{"id": str(s), "name": f"exp42/step-{s}", "parameters": {"run": "exp42", "step": s},
              "state": {"type": "RUNNING", "name": "Running", "message": None},
-             "created": "2026-01-01T00:00:00Z"} for s in (1, 2)]  # fmt: skip
+             "created": "2026-01-01T00:00:00Z"} for s in (1, 2)]
     server = ScriptedServer({
         ("POST", "/api/flow_runs/filter"): lambda body: (200, {"Content-Type": "application/json"},
                                                          json.dumps(runs).encode()),
         ("POST", "/api/events"): lambda body: (503, {}, b""),  # nothing delivered: the spool keeps its entries
-    })  # fmt: skip
+    })
     try:
         with EvalClient("exp42", f"{server.url}/api", spool_dir=small_disk / "spool", policy="skip", max_in_flight=2,
-                        direct_runs=False, startup_sync_s=30) as client:  # fmt: skip
+                        direct_runs=False, startup_sync_s=30) as client:
             assert client.wait_synced(30)
             filler = _fill(small_disk)
             result = client.dispatch(3, source=SOURCE)
             assert (result.action, result.in_flight, result.admitted_offline) == ("skipped_spool_failed", 0, False)
             assert result.reason == (f"[Errno {errno.ENOSPC}] busy (step 3: 2 points in flight (max 2)) not recorded: "
-                                     + _spool_full(small_disk, 3))  # fmt: skip
+                                     + _spool_full(small_disk, 3))
             assert client.spool.pending() == []
             filler.unlink()  # space again: the next busy point is recorded
             again = client.dispatch(4, source=SOURCE)
@@ -148,12 +148,12 @@ def test_full_spool_disk_after_an_exporters_own_error_names_the_export_failure(
 
     dead = f"http://127.0.0.1:{free_port()}/api"
     with EvalClient("exp42", dead, spool_dir=small_disk / "spool", staging_root=tmp_path / "stage",
-                    startup_sync_s=5) as client:  # fmt: skip
+                    startup_sync_s=5) as client:
         _fill(small_disk)
         result = client.dispatch(5, export=buggy)
     assert result.action == "skipped_spool_failed"
     assert result.reason == (f"[Errno {errno.ENOSPC}] export_failed (step 5: in-loop export: "
-                             f"ValueError('shape mismatch')) not recorded: " + _spool_full(small_disk, 5))  # fmt: skip
+                             f"ValueError('shape mismatch')) not recorded: " + _spool_full(small_disk, 5))
     assert not (tmp_path / "stage" / "exp42" / "step_00000005").exists()  # the partial export removed
 
 
@@ -167,7 +167,7 @@ def test_full_spool_disk_after_a_storage_error_is_an_export_failed_point_naming_
     exported: list[int] = []
     dead = f"http://127.0.0.1:{free_port()}/api"
     with EvalClient("exp42", dead, spool_dir=small_disk / "spool", staging_root=tmp_path / "stage",
-                    startup_sync_s=5) as client:  # fmt: skip
+                    startup_sync_s=5) as client:
         _fill(small_disk)
         result = client.dispatch(6, export=lambda step, dest: exported.append(step))
     refused = f"staging root {str(tmp_path / 'stage')!r} refused: it is a symlink (to {str(tmp_path / 'real')!r})"
@@ -175,4 +175,4 @@ def test_full_spool_disk_after_a_storage_error_is_an_export_failed_point_naming_
     assert result.reason == (f"dispatch error: UnsafeStagingRootError({refused!r}); not recorded: "
                              f"[Errno {errno.ENOSPC}] export_failed (step 6: dispatch error (see trainer log)) "
                              "not recorded: "
-                             + _spool_full(small_disk, 6))  # fmt: skip
+                             + _spool_full(small_disk, 6))

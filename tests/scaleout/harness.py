@@ -116,7 +116,7 @@ class Cluster:
             os.environ, PREFECT_API_URL=self.api_url, PREFECT_API_AUTH_STRING=self.auth_string,
             PREFECT_HOME=str(private_dir(home)), PINNED_EVAL_PROJECT_DIR=str(REPO), PYTHONPATH=str(REPO),
             PREFECT_LOGGING_LEVEL="INFO", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        )  # fmt: skip
+        )
 
     def server_env(self, host: str, *, migrate: bool) -> dict[str, str]:
         return dict(
@@ -135,7 +135,7 @@ class Cluster:
             PREFECT_REDIS_MESSAGING_DB="0",
             PREFECT_REDIS_MESSAGING_PASSWORD=self.redis_password,
             PREFECT_LOGGING_LEVEL="WARNING",
-        )  # fmt: skip
+        )
 
     def auth_headers(self) -> dict[str, str]:
         return PrefectApiSettings.from_environ({"PREFECT_API_AUTH_STRING": self.auth_string}).auth_headers()
@@ -144,18 +144,18 @@ class Cluster:
         return httpx.Client(base_url=self.api_url, headers=self.auth_headers(), timeout=30)
 
     def run_in(self, host: str, argv: list[str], *, env: dict[str, str] | None = None,
-               timeout_s: float = 120) -> subprocess.CompletedProcess[str]:  # fmt: skip
+               timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
         """Run `argv` to completion on `host` (output captured)."""
         return subprocess.run(self.net.hosts[host].wrap(argv), env=env, cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout_s)  # fmt: skip
+                              timeout=timeout_s)
 
     # ---- starting pieces ------------------------------------------------------------------
 
     def start_replica(self, host: str, *, migrate: bool) -> Proc:
         argv = [sys.executable, "-m", "prefect", "server", "start", "--no-services", "--host", self.addr(host),
-                "--port", str(API_PORT)]  # fmt: skip
+                "--port", str(API_PORT)]
         proc = self.net.start(host, "api", argv, env=self.server_env(host, migrate=migrate),
-                              log=self.host_dir(host) / "server.log")  # fmt: skip
+                              log=self.host_dir(host) / "server.log")
         self.api[host] = proc
         return proc
 
@@ -175,31 +175,31 @@ class Cluster:
         hd = self.host_dir(node)
         self.fleets[node] = hd / "fleet.json"
         argv = [sys.executable, "-m", "app.cli", "fleet", "up", "--model-path", str(self.model), "--engines", "1",
-                "--state-file", str(self.fleets[node]), "--ready-timeout", "300"]  # fmt: skip
+                "--state-file", str(self.fleets[node]), "--ready-timeout", "300"]
         return self.net.start(node, "fleet-up", argv, env=self.client_env(hd / "home"), log=hd / "fleet-up.log",
-                              cwd=str(REPO))  # fmt: skip
+                              cwd=str(REPO))
 
     def worker_env(self, node: str) -> dict[str, str]:
         hd = self.host_dir(node)
         sock = private_dir(hd / "sockets") / "warm.sock"
         return dict(self.client_env(hd / "home"), PINNED_EVAL_WARM_SOCKET=str(sock),
-                    PREFECT_WORKER_QUERY_SECONDS="0.5", PREFECT_WORKER_PREFETCH_SECONDS="0.5")  # fmt: skip
+                    PREFECT_WORKER_QUERY_SECONDS="0.5", PREFECT_WORKER_PREFETCH_SECONDS="0.5")
 
     def start_warm(self, node: str) -> Proc:
         """The host's warm-start fork server (what the pool's command connects to)."""
         env = self.worker_env(node)
         sock = Path(env["PINNED_EVAL_WARM_SOCKET"])
         self.warm[node] = self.net.start(node, "warm-start", server_command(sock), env=env,
-                                         log=self.host_dir(node) / "warm.log", cwd=str(REPO))  # fmt: skip
+                                         log=self.host_dir(node) / "warm.log", cwd=str(REPO))
         return self.warm[node]
 
     def start_worker(self, node: str) -> Proc:
         """The host's process worker: its own queue, and `default` (the janitor)."""
         env = self.worker_env(node)
         argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", "pinned-eval", "--type", "process",
-                "--name", node, "--work-queue", node, "--work-queue", "default", "--limit", "2"]  # fmt: skip
+                "--name", node, "--work-queue", node, "--work-queue", "default", "--limit", "2"]
         self.workers[node] = self.net.start(node, "worker", argv, env=env, log=self.host_dir(node) / "worker.log",
-                                            cwd=str(REPO))  # fmt: skip
+                                            cwd=str(REPO))
         return self.workers[node]
 
     def deploy(self) -> None:
@@ -222,13 +222,13 @@ class Cluster:
 
         def prefect(*args: str) -> subprocess.Popen[str]:
             return subprocess.Popen([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
         pool = ("work-pool", "create", "pinned-eval", "--type", "process", "--overwrite", "--base-job-template",
-                str(template))  # fmt: skip
+                str(template))
         # block types and the pool are independent; the deployments need the pool (its template)
         for batch in ((("block", "register", "-m", "blocks"), pool),
-                      (("--no-prompt", "deploy", "--all", "--prefect-file", str(op / "prefect.yaml")),)):  # fmt: skip
+                      (("--no-prompt", "deploy", "--all", "--prefect-file", str(op / "prefect.yaml")),)):
             procs = [(args, prefect(*args)) for args in batch]
             for args, proc in procs:
                 out, _ = proc.communicate(timeout=300)
@@ -253,7 +253,7 @@ class Cluster:
                 region_name="us-east-1", aws_access_key_id=SecretStr(S3_KEY),
                 aws_secret_access_key=SecretStr(S3_SECRET), cache_dir=str(private_dir(hd / "cache")),
                 cache_max_bytes=50_000_000, source_roots=[str(self.model.parent)],
-            ).save(names["staging"])  # fmt: skip
+            ).save(names["staging"])
             sinks = private_dir(self.root / "sinks")
             SinksBlock(jsonl_path=str(sinks / f"{run}.jsonl")).save(names["sinks"])
         return names
@@ -273,10 +273,10 @@ class Cluster:
         cfg = hd / f"{name}.json"
         cfg.write_text(json.dumps(config))
         env = dict(os.environ, PREFECT_API_URL=self.api_url, PINNED_EVAL_API_AUTH_FILE=str(self.trainer_auth_file()),
-                   PINNED_EVAL_HOME=str(private_dir(hd / "home")), PYTHONPATH=str(REPO))  # fmt: skip
+                   PINNED_EVAL_HOME=str(private_dir(hd / "home")), PYTHONPATH=str(REPO))
         env.pop("PREFECT_API_AUTH_STRING", None)
         return self.net.start("trainer", name, [sys.executable, "-m", "tests.scaleout.trainer", str(cfg)],
-                              env=env, log=hd / f"{name}.log", cwd=str(REPO))  # fmt: skip
+                              env=env, log=hd / f"{name}.log", cwd=str(REPO))
 
     def stop_fleets(self) -> list[subprocess.Popen[bytes]]:
         """Start `pinned-eval fleet down` for every fleet (all at once); the caller waits for them."""
@@ -310,7 +310,7 @@ def _start_redis(net: Network, root: Path, password: str) -> Proc:
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(f"bind {host.addr}\nport {REDIS_PORT}\nrequirepass {password}\nsave \"\"\nappendonly no\n"
-                f"dir {root}\nprotected-mode yes\n")  # fmt: skip
+                f"dir {root}\nprotected-mode yes\n")
     proc = net.start("redis", "redis", ["redis-server", str(conf)], env=dict(os.environ), log=root / "redis.log")
 
     def pong() -> bool:
@@ -331,7 +331,7 @@ def _start_s3(net: Network, root: Path) -> str:
 
     host = net.hosts["s3"]
     proc = net.start("s3", "moto", [sys.executable, "-m", "moto.server", "-H", host.addr, "-p", str(S3_PORT)],
-                     env=dict(os.environ), log=root / "moto.log")  # fmt: skip
+                     env=dict(os.environ), log=root / "moto.log")
     endpoint = f"http://{host.addr}:{S3_PORT}"
 
     def up() -> bool:
@@ -344,7 +344,7 @@ def _start_s3(net: Network, root: Path) -> str:
     poll_until(up, timeout_s=120, interval_s=0.5, what="moto S3 server")
     bucket = f"staging-{net.tag}"
     boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET,
-                 region_name="us-east-1").create_bucket(Bucket=bucket)  # fmt: skip
+                 region_name="us-east-1").create_bucket(Bucket=bucket)
     return bucket
 
 
@@ -357,7 +357,7 @@ def cluster(root: Path, model: Path) -> Iterator[Cluster]:
     try:
         private_dir(root)
         pg_cm = running_postgres(PG_PORT, host=net.hosts["db"].addr, password=secrets.token_urlsafe(16),
-                                 clients=f"{net.prefix}.0/24", wrap=net.hosts["db"].wrap)  # fmt: skip
+                                 clients=f"{net.prefix}.0/24", wrap=net.hosts["db"].wrap)
         with pg_cm as pg:
             redis_password = secrets.token_urlsafe(24)
             auth = ensure_auth_file(private_dir(root / "operator") / AUTH_FILE_NAME)
@@ -373,11 +373,11 @@ def cluster(root: Path, model: Path) -> Iterator[Cluster]:
             second = c.start_replica("api2", migrate=False)
             services = net.start("services", "services", [sys.executable, "-m", "prefect", "server", "services",
                                  "start"], env=c.server_env("services", migrate=False),
-                                 log=c.host_dir("services") / "services.log")  # fmt: skip
+                                 log=c.host_dir("services") / "services.log")
             ups = [arg for h in ("api1", "api2") for arg in ("--upstream", f"{c.addr(h)}:{API_PORT}")]
             lb = [sys.executable, "-m", "tests.scaleout.lb", "--listen", f"{c.addr('lb')}:{LB_PORT}", *ups]
             net.start("lb", "lb", lb, env=dict(os.environ, PYTHONPATH=str(REPO)), log=c.host_dir("lb") / "lb.log",
-                      cwd=str(REPO))  # fmt: skip
+                      cwd=str(REPO))
             c.deploy()  # through the balancer, while api2 may still be starting
             c.mark("deploy")
             for node, up in fleet_ups.items():
@@ -389,7 +389,7 @@ def cluster(root: Path, model: Path) -> Iterator[Cluster]:
             for node, proc in warm.items():
                 sock = Path(c.worker_env(node)["PINNED_EVAL_WARM_SOCKET"])
                 poll_until(lambda p=proc, s=sock: _alive_or_raise(p) and s.exists(), timeout_s=180,
-                           what=f"{node} fork server socket")  # fmt: skip
+                           what=f"{node} fork server socket")
                 c.start_worker(node)
             c.wait_healthy(c.replica_url("api2"), second)
             _alive_or_raise(services)

@@ -129,7 +129,7 @@ class Network:
         _ip("link", "set", veth, "master", self.bridge)
         _ip("link", "set", veth, "up")
         for args in (("addr", "add", f"{self.prefix}.{n}/24", "dev", "eth0"), ("link", "set", "eth0", "up"),
-                     ("link", "set", "lo", "up")):  # fmt: skip
+                     ("link", "set", "lo", "up")):
             _ip("-n", ns, *args)
 
     def start(
@@ -140,7 +140,7 @@ class Network:
             popen = subprocess.Popen(
                 self.hosts[host].wrap(argv), env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+            )
         proc = Proc(host, role, popen.pid, log, popen)
         self.procs.append(proc)
         return proc

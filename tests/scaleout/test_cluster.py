@@ -78,7 +78,7 @@ def save_run_blocks(c: Cluster, node: str, tag: str, *, keep_snapshots: int = 1)
         "staging_root": f"s3://{c.bucket}/{run}", "spool_dir": str(trainer / "spool"),
         "deployment": f"eval-point/eval-point-{node}", "model": str(c.model), "out": str(trainer / f"{run}.out.json"),
         "drain_timeout_s": 240,
-    }  # fmt: skip
+    }
     return RunSetup(run, node, config)
 
 
@@ -130,7 +130,7 @@ def test_two_trainers_two_fleets_through_replicas_one_replica_killed(scale_clust
 
     # kill one API replica mid-burst (SIGKILL: no graceful shutdown, open connections reset)
     poll_until(lambda: _dispatched(progress) >= STEPS // 3 or not trainers[0].alive(), timeout_s=300,
-               what="a third of the first trainer's dispatches")  # fmt: skip
+               what="a third of the first trainer's dispatches")
     killed_at = time.time()
     os.killpg(c.api["api1"].pid, signal.SIGKILL)
     c.api["api1"].popen.wait(30)
@@ -162,7 +162,7 @@ def test_two_trainers_two_fleets_through_replicas_one_replica_killed(scale_clust
         windows[r.node] = poll_until(
             lambda r=r, n=len(measured): len(w := _windows(c, r.run)) == n and w, timeout_s=60,
             what=f"task runs of {r.run}'s measured points",
-        )  # fmt: skip
+        )
         created_after_kill = c.pg.psql(
             f"select count(*) from flow_run where name like '{r.run}/step-%' and created > to_timestamp({killed_at})"
         )
@@ -177,7 +177,7 @@ def test_two_trainers_two_fleets_through_replicas_one_replica_killed(scale_clust
     overlap = _overlap_s(points[NODES[0]], points[NODES[1]])
     pin_overlap = _overlap_s(windows[NODES[0]], windows[NODES[1]])
     print(f"overlap of measured points: {overlap:.1f}s, of pin..generate windows: {pin_overlap:.1f}s;",
-          "measured per fleet:", {n: len(w) for n, w in windows.items()})  # fmt: skip
+          "measured per fleet:", {n: len(w) for n, w in windows.items()})
     assert overlap > 0, points
 
 
@@ -222,7 +222,7 @@ def test_worker_host_lost_mid_point_janitor_retires_and_points_rerun(scale_clust
                         parameters={"run": r.run, "step": step, **blocks, "policy": "backpressure",
                                     "max_in_flight": len(steps),
                                     "source": {"kind": "staged", "path": store.put(local, r.run, step)}},
-                    )  # fmt: skip
+                    )
                     ids[step] = fr.id
                 by_id = FlowRunFilter(id=FlowRunFilterId(any_=list(ids.values())))
 
@@ -235,7 +235,7 @@ def test_worker_host_lost_mid_point_janitor_retires_and_points_rerun(scale_clust
                 forked = _kill_worker_host(c, node)
                 c.mark(f"{node} worker killed mid-point")
                 poll_until(lambda: not any(psutil.pid_exists(p) for p in forked), timeout_s=30,
-                           what=f"{node}'s flow-run processes to die with their clients")  # fmt: skip
+                           what=f"{node}'s flow-run processes to die with their clients")
             finally:
                 lock.close()
             states = {s: client.read_flow_run(i).state for s, i in ids.items()}
@@ -245,13 +245,13 @@ def test_worker_host_lost_mid_point_janitor_retires_and_points_rerun(scale_clust
             window = 3.0
             poll_until(lambda: all((datetime.now(UTC) - last_activity(client, client.read_flow_run(i)))
                                    .total_seconds() > window + 1 for i in ids.values()),
-                       timeout_s=60, what="the zombies to be quiet past the window")  # fmt: skip
+                       timeout_s=60, what="the zombies to be quiet past the window")
             jan = client.create_flow_run_from_deployment(
                 client.read_deployment_by_name("janitor/janitor").id,
                 parameters={"heartbeat_window_s": window, "run": r.run, "staging": [blocks["staging"]]},
             )
             done = poll_until(lambda: (f := client.read_flow_run(jan.id)).state.is_final() and f, timeout_s=300,
-                              interval_s=1, what="the janitor's run")  # fmt: skip
+                              interval_s=1, what="the janitor's run")
             assert done.state.is_completed(), done.state
             crashed = {s: client.read_flow_run(i).state for s, i in ids.items()}
             assert all(st.is_crashed() and st.message.startswith("janitor: no activity") for st in crashed.values()), (
@@ -266,12 +266,12 @@ def test_worker_host_lost_mid_point_janitor_retires_and_points_rerun(scale_clust
         # the host's worker is back; `pinned-eval rerun` (from the trainer host) retries each point in place
         c.start_worker(node)
         env = dict(os.environ, PREFECT_API_URL=c.api_url, PINNED_EVAL_API_AUTH_FILE=str(c.trainer_auth_file()),
-                   PINNED_EVAL_HOME=str(private_dir(c.host_dir("trainer") / "home")), PYTHONPATH=str(REPO))  # fmt: skip
+                   PINNED_EVAL_HOME=str(private_dir(c.host_dir("trainer") / "home")), PYTHONPATH=str(REPO))
         env.pop("PREFECT_API_AUTH_STRING", None)
         reruns = []
         for s in steps:
             argv = [sys.executable, "-m", "app.cli", "rerun", "--run", r.run, "--step", str(s), "--wait", "--timeout",
-                    "600"]  # fmt: skip
+                    "600"]
             log = c.host_dir("trainer") / f"rerun-{s}.log"
             reruns.append(c.net.start("trainer", f"rerun-{s}", argv, env=env, log=log, cwd=str(REPO)))
         for p in reruns:
@@ -281,7 +281,7 @@ def test_worker_host_lost_mid_point_janitor_retires_and_points_rerun(scale_clust
         c.mark("janitor, reruns")
         # one terminal record per point: the same flow run, run twice, measured; one JSONL row, measured
         rows_pg = c.pg.psql(f"select name, state_type, run_count from flow_run where name like '{r.run}/step-%' "
-                            "order by name")  # fmt: skip
+                            "order by name")
         assert rows_pg.splitlines() == [f"{r.run}/step-{s}|COMPLETED|2" for s in steps], rows_pg
         rows = sorted(JsonlSink(jsonl).read(r.run), key=lambda x: x.step)  # file order: the order they ended
         assert [(x.step, x.state, x.flow_run_id) for x in rows] == [(s, "measured", str(ids[s])) for s in steps], rows

@@ -33,11 +33,11 @@ def main(config_path: str) -> None:
     client = EvalClient(
         cfg["run"], blocks=BlockNames(**cfg["blocks"]), policy=cfg["policy"], max_in_flight=cfg["max_in_flight"],
         staging_root=cfg["staging_root"], spool_dir=cfg["spool_dir"], deployment=cfg["deployment"],
-    )  # fmt: skip
+    )
 
     def export(step: int, dest: str) -> None:
         write_snapshot(named, dest, base_hf_dir=str(model), max_shard_bytes=64 * 1024,
-                       storage_options=client.storage_options)  # fmt: skip
+                       storage_options=client.storage_options)
 
     client.exporter = export
     out = Path(cfg["out"])

@@ -48,7 +48,7 @@ class _Parser:
                 continue
             if isinstance(obj, dict) and obj.get("name") in self.names:
                 calls.append(ToolCallItem(obj["name"], json.dumps(obj.get("arguments", obj.get("parameters", {}))),
-                                          len(calls)))  # fmt: skip
+                                          len(calls)))
         start = text.find("<tool_call>")
         return (text if start < 0 else text[:start]).strip(), calls
 
@@ -68,7 +68,7 @@ async def execute_tool_calls(
         if not isinstance(result, str):
             raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not str")
         out.append({"role": "tool", "tool_call_id": f"call_{uuid.uuid4().hex[:24]}", "content": result,
-                    "name": call.name})  # fmt: skip
+                    "name": call.name})
     return out
 
 
