@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import typer
 from prefect.logging import disable_run_logger
 
+from app.commands._cli import CliError
 from app.commands.results import rescore_point
 from blocks import EvalSuiteBlock, SinksBlock
 from pinned_eval.results.store import GENERATIONS, ResultsKeyError, ResultsStore
@@ -134,12 +134,12 @@ def test_a_results_root_a_neighbour_created_first_is_never_written_or_rescored(
     )
     planted = _planted(tmp_path, shared_dir)
     assert run_as(neighbour, PLANT, str(planted), str(step_dir / GENERATIONS)).returncode == 0
-    with pytest.raises(typer.Exit) as exit_info:
+    with pytest.raises(CliError) as exit_info:  # the CLI boundary prints `error: <message>`, exit 1
         _rescore(root, tmp_path)
-    assert exit_info.value.exit_code == 1
-    assert capsys.readouterr().err == (
-        f"error: results file {str(step_dir / GENERATIONS)!r} refused ({str(root)!r}): it is owned by uid "
-        f"{neighbour.uid}, not by this user (uid {os.geteuid()}) or root\n"
+    assert exit_info.value.code == 1
+    assert exit_info.value.message == (
+        f"results file {str(step_dir / GENERATIONS)!r} refused ({str(root)!r}): it is owned by uid "
+        f"{neighbour.uid}, not by this user (uid {os.geteuid()}) or root"
     )
     assert not (tmp_path / "m.jsonl").exists()  # nothing recorded
 
@@ -155,9 +155,9 @@ def test_a_run_dir_a_neighbour_created_under_a_shared_results_root_is_never_used
     with pytest.raises(UntrustedPathError, match=f"^results_root {str(step_dir)!r} refused \\({str(run_dir)!r}\\)"):
         store.write("exp1", 5, GENERATIONS, generations_table([generation_row(_gen("wrong"))], "k"))
     assert run_as(neighbour, PLANT, str(_planted(tmp_path, shared_dir)), str(step_dir / GENERATIONS)).returncode == 0
-    with pytest.raises(typer.Exit):
+    with pytest.raises(CliError) as exit_info:
         _rescore(shared_dir, tmp_path)
-    assert "refused" in capsys.readouterr().err and not (tmp_path / "m.jsonl").exists()
+    assert "refused" in exit_info.value.message and not (tmp_path / "m.jsonl").exists()
 
 
 def test_directories_the_product_creates_are_private_and_the_neighbour_cannot_list_them(
@@ -207,9 +207,9 @@ def test_a_file_written_for_another_point_is_refused_by_read_rescore_and_the_cac
         f"{root / 'exp1' / 'step_00000005' / GENERATIONS} was not written for exp1 step 5 (it names "
         f'{json.dumps({"run": "exp1", "step": 4})}); refusing to read it: rerun the point to write it again'
     )
-    with pytest.raises(typer.Exit):
+    with pytest.raises(CliError) as exit_info:
         _rescore(root, tmp_path)
-    assert "was not written for exp1 step 5" in capsys.readouterr().err
+    assert "was not written for exp1 step 5" in exit_info.value.message
     with disable_run_logger():
         assert cached_generations.fn(store, "exp1", 5, "k") is None
         assert cached_generations.fn(store, "exp1", 4, "k") is not None
