@@ -2,11 +2,13 @@
 `bench/history.py` and the history-cost tests).
 
 Each point is one `eval-point` flow run named `<run>/step-<step>`, tagged `run:<run>`, created
-directly in its final state (`POST /flow_runs/` with a state), a few requests at a time.
+directly in its final state (`POST /flow_runs/` with a state), a few requests at a time (a busy
+SQLite server's 503 is sent again).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -33,16 +35,23 @@ def seed_point(http: httpx.Client, flow_id: str, run: str, step: int, state: str
         "tags": [f"run:{run}"],
         "state": {"type": state, "name": state.title(), "message": f"seeded {state.lower()}"},
     }
-    resp = http.post("/flow_runs/", json=body)
+    deadline = time.monotonic() + 60
+    while True:
+        resp = http.post("/flow_runs/", json=body)
+        if resp.status_code != 503 or time.monotonic() > deadline:  # 503: SQLite busy, try again
+            break
+        time.sleep(0.1)
     resp.raise_for_status()
     return str(resp.json()["id"])
 
 
 def seed_points(http: httpx.Client, run: str, steps: range, state: str = "COMPLETED", *, workers: int = 4) -> None:
-    """Points of `run` at every step of `steps`, all in `state`."""
+    """Points of `run` at every step of `steps`, all in `state`, created `workers` at a time in
+    step order (as a trainer creates them: out of order by at most `workers` steps)."""
     flow_id = point_flow_id(http)
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda s: seed_point(http, flow_id, run, s, state), steps))
+        for i in range(0, len(steps), workers):
+            list(pool.map(lambda s: seed_point(http, flow_id, run, s, state), steps[i : i + workers]))
 
 
 def server_time(http: httpx.Client) -> datetime:

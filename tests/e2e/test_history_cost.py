@@ -24,7 +24,7 @@ from trainer_integration.rest import PrefectRest, auth_headers
 
 pytestmark = pytest.mark.e2e
 
-BIG = 450  # more than two pages of 200
+BIG = 210  # more than one page of 200
 
 
 class RecordingTransport(httpx.HTTPTransport):
@@ -122,3 +122,19 @@ def test_a_point_that_ends_or_appears_between_refreshes_is_seen_by_the_next(pref
     assert rec.take() == [("POST", "/api/flow_runs/filter")]
     assert sync.view.steps() == {1, 2, 3, 4}
 
+
+def test_status_reads_the_same_requests_whatever_the_history(prefect_server: str, runs: dict[int, str]) -> None:
+    from prefect import get_client
+
+    from app.history import read_history
+
+    seen: dict[int, list[tuple[str, str]]] = {}
+    for n, run in runs.items():
+        rec = RecordingTransport()
+        with get_client(sync_client=True, httpx_settings={"transport": rec}) as client:
+            history = read_history(run, client=client, last=50)
+            seen[n] = [c for c in rec.take() if c != ("GET", "/api/csrf-token")]  # the client's own handshake
+        # the window: the latest 50 steps (the RUNNING point at 10_000 included), states embedded
+        assert [p.step for p in history.points] == [*range(max(1, n - 48), n + 1), 10_000]
+        assert [p.outcome for p in history.points][-2:] == ["measured", "running"]
+    assert seen[3] == seen[BIG] == [("POST", "/api/flow_runs/filter"), ("POST", "/api/artifacts/latest/filter")]
