@@ -137,4 +137,8 @@ def test_status_reads_the_same_requests_whatever_the_history(prefect_server: str
         # the window: the latest 50 steps (the RUNNING point at 10_000 included), states embedded
         assert [p.step for p in history.points] == [*range(max(1, n - 48), n + 1), 10_000]
         assert [p.outcome for p in history.points][-2:] == ["measured", "running"]
+        with get_client(sync_client=True, httpx_settings={"transport": rec}) as client:
+            since = read_history(run, client=client, since=n - 1)  # `status --since STEP`
+            assert [c for c in rec.take() if c != ("GET", "/api/csrf-token")] == seen[n]
+        assert [p.step for p in since.points] == [n - 1, n, 10_000]
     assert seen[3] == seen[BIG] == [("POST", "/api/flow_runs/filter"), ("POST", "/api/artifacts/latest/filter")]
