@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 DEFAULT_LAST = 50
 LastOpt = Annotated[
     int | None,
-    typer.Option("--last", min=0, help=f"Only the latest N steps (default {DEFAULT_LAST}, or every step from "
-                 "--since; 0: every step)."),
+    typer.Option("--last", min=0, metavar="N", help=f"Only the latest N steps (default {DEFAULT_LAST}, or every "
+                 "step from --since; 0: every step)."),
 ]
 SinceOpt = Annotated[int | None, typer.Option("--since", min=0, help="Only steps at or after STEP.", metavar="STEP")]
 
