@@ -22,11 +22,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from prefect import get_client
-from prefect.artifacts import Artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from blocks import SinksBlock
-from flows.point_runs import point_flow_runs
+from flows.point_runs import point_flow_runs, recent_point_flow_runs
 from pinned_eval.inflight import TERMINAL
 from pinned_eval.points import Outcome, history_artifact_key, outcome_of, reason_of
 from pinned_eval.sinks import Ledger, MetricRow
@@ -34,6 +33,9 @@ from pinned_eval.sinks import Ledger, MetricRow
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.objects import FlowRun, State
+
+
+_ARTIFACT_PAGE = 200
 
 
 class Attempt(BaseModel):
@@ -216,11 +218,27 @@ def _point(run: str, step: int, runs: list[FlowRunRecord], rows: list[MetricRow]
 # ---- reading from Prefect ------------------------------------------------------------------------
 
 
-def _artifact_rows(run: str, step: int) -> list[MetricRow]:
-    art = cast("Artifact | None", Artifact.get(f"{history_artifact_key(run)}-step-{step}"))
-    if art is None or not art.data:
-        return []
-    table = cast("list[dict[str, Any]]", json.loads(art.data) if isinstance(art.data, str) else art.data)
+def _artifact_rows(client: SyncPrefectClient, run: str, steps: list[int]) -> list[MetricRow]:
+    """The rows of the per-point table artifacts of `steps`, the latest of each key, read in
+    pages of up to 200 keys (one request per page, not per step)."""
+    from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
+
+    prefix = history_artifact_key(run)
+    rows: list[MetricRow] = []
+    for i in range(0, len(steps), _ARTIFACT_PAGE):
+        keys = {f"{prefix}-step-{s}": s for s in steps[i : i + _ARTIFACT_PAGE]}
+        found = client.read_latest_artifacts(
+            artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=list(keys))),
+            limit=len(keys),
+        )
+        for art in found:
+            if art.key in keys and art.data:
+                rows.extend(_table_rows(run, keys[art.key], art.data))
+    return rows
+
+
+def _table_rows(run: str, step: int, data: Any) -> list[MetricRow]:
+    table = cast("list[dict[str, Any]]", json.loads(data) if isinstance(data, str) else data)
     return [
         MetricRow(
             run=run,
@@ -235,6 +253,13 @@ def _artifact_rows(run: str, step: int) -> list[MetricRow]:
     ]
 
 
+def _may_have_attempts(fr: FlowRun) -> bool:
+    """Whether a flow run may have gone through more than one attempt (retried in place): only
+    then is its state history read; otherwise its embedded state is its one attempt."""
+    state = fr.state.type.value if fr.state else None
+    return fr.run_count > 1 or (fr.run_count >= 1 and state in ("SCHEDULED", "PENDING"))
+
+
 def _jsonl_path(sinks_name: str) -> str | None:
     try:
         return cast(SinksBlock, SinksBlock.load(sinks_name)).jsonl_path
@@ -242,14 +267,27 @@ def _jsonl_path(sinks_name: str) -> str | None:
         return None
 
 
-def read_history(run: str, *, client: SyncPrefectClient | None = None) -> RunHistory:
-    """The history of `run` as Prefect (and the run's JSONL sink) record it now."""
+def read_history(
+    run: str, *, client: SyncPrefectClient | None = None, last: int | None = None, since: int | None = None
+) -> RunHistory:
+    """The history of `run` as Prefect (and the run's JSONL sink) record it now: every step, or
+    (`last` / `since`) the latest `last` steps at or after step `since` (`recent_point_flow_runs`).
+
+    API cost: the flow-run pages (states come embedded; a run's state history is read only when
+    it may hold several attempts, `_may_have_attempts`) and one artifact page per 200 steps
+    without JSONL rows, never one request per point."""
 
     if client is None:
         with get_client(sync_client=True) as c:
-            return read_history(run, client=c)
+            return read_history(run, client=c, last=last, since=since)
+    flow_runs = (
+        point_flow_runs(client, run)
+        if last is None and since is None
+        else recent_point_flow_runs(client, run, last=last, since=since)
+    )
     records = [
-        FlowRunRecord.from_prefect(fr, client.read_flow_run_states(fr.id)) for fr in point_flow_runs(client, run)
+        FlowRunRecord.from_prefect(fr, client.read_flow_run_states(fr.id) if _may_have_attempts(fr) else None)
+        for fr in flow_runs
     ]
     by_age = sorted(records, key=lambda r: r.created)
     sinks_of_step = {r.step: str(r.parameters.get("sinks", "default")) for r in by_age}
@@ -259,7 +297,10 @@ def read_history(run: str, *, client: SyncPrefectClient | None = None) -> RunHis
     for row in jsonl_rows:
         rows_by_step[row.step].append(row)
     rows: list[MetricRow] = [r for rs in rows_by_step.values() for r in rs]
-    for step, sinks_name in sinks_of_step.items():
-        if not paths.get(sinks_name) and step not in rows_by_step:
-            rows.extend(_artifact_rows(run, step))
+    if last is not None or since is not None:  # leave out the JSONL rows of steps below the window
+        lows = [since] if since is not None else []
+        lows += [min(sinks_of_step)] if last is not None and sinks_of_step else []
+        rows = [r for r in rows if r.step >= max(lows, default=r.step)]
+    missing = [s for s, name in sinks_of_step.items() if not paths.get(name) and s not in rows_by_step]
+    rows.extend(_artifact_rows(client, run, sorted(missing)))
     return build_history(run, records, rows)

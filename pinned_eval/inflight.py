@@ -9,12 +9,19 @@ untagged RUNNING run is in flight too. A point is in flight while its state type
 `point_runs_filter(run)` is that query as the body of `POST /flow_runs/filter`; the trainer side
 sends it over plain HTTP (`trainer_integration.rest`), the Prefect side validates it into
 Prefect's filter models (`flows.point_runs`), so both read the same runs.
+
+`changed_runs_filter(...)` is the trainer's incremental refresh: every point flow run that is not
+terminal (of any run; `is_point_of` keeps this run's), that ended at or after `since` (server
+time), or that is named after a step this process requested and has not seen yet. Its answer
+follows what can be in flight or has just changed, never the run's history.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from pinned_eval.points import flow_run_name
 
 POINT_FLOW = "eval-point"
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
@@ -43,3 +50,19 @@ def is_point_of(parameters: Mapping[str, Any] | None, run: str) -> bool:
 def in_flight(state_type: str | None) -> bool:
     """A point is in flight until its state is terminal (no state yet: scheduled, in flight)."""
     return state_type not in TERMINAL
+
+
+def changed_runs_filter(
+    run: str, since: str, unseen: list[int], flow_name: str = POINT_FLOW
+) -> dict[str, Any]:
+    """`flows` and `flow_runs` filters selecting every point flow run that is not terminal, that
+    ended at or after `since` (ISO time on the server's clock), or whose name is `<run>/step-<s>`
+    for a step in `unseen`; `is_point_of` then matches the `run` parameter."""
+    runs: dict[str, Any] = {
+        "operator": "or_",
+        "state": {"type": {"any_": list(NON_TERMINAL)}},
+        "end_time": {"after_": since},
+    }
+    if unseen:
+        runs["name"] = {"any_": [flow_run_name(run, s) for s in sorted(unseen)]}
+    return {"flows": {"name": {"any_": [flow_name]}}, "flow_runs": runs}

@@ -98,6 +98,11 @@ class AdmissionView:
         with self._lock:
             return bool(self._server_busy) or any(s not in self._known for s in self._requested)
 
+    def unseen(self) -> list[int]:
+        """Steps this process requested whose flow run was not seen on the server yet."""
+        with self._lock:
+            return sorted(s for s in self._requested if s not in self._known)
+
     def steps(self) -> set[int]:
         with self._lock:
             return set(self._requested) | self._recorded | self._known

@@ -4,6 +4,12 @@ Contract:
 - one daemon thread queries the run's point flow runs and hands the answer to the `AdmissionView`
   (`refresh`), every `poll_s` while a point may be in flight or the last query failed,
   `idle_sync_s` otherwise, and at once after `wake()`;
+- the first query that answers reads the run's whole history (paged; what already exists is
+  known); every later one asks only for what can be in flight or changed since the previous
+  answer (`PrefectRest.point_runs_changed`: runs not terminal, runs that ended since the previous
+  answer's server time less `CHANGED_MARGIN_S`, and runs named after a requested step not seen
+  yet), so its cost follows the points in flight, not the run's length. A server that sends no
+  `Date` header gets the whole-history query every time;
 - a failed query (API unreachable, an HTTP error, a garbled answer) marks the view stale, so
   admission admits offline rather than trusting an old answer (logged at debug, at warning once it
   has failed for over a minute); when the thread ends (`stop`, or an unexpected error) the view is
@@ -19,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta
 
 import httpx
 
@@ -30,6 +37,8 @@ from trainer_integration.rest import ApiUnavailableError, PrefectRest
 from trainer_integration.spool import SpoolEntry, SpoolWriteError
 
 log = logging.getLogger(__name__)
+
+CHANGED_MARGIN_S = 120.0  # covers commit lag and a worker's clock behind the server's (end_time is proposed)
 
 
 class AdmissionSync:
@@ -45,6 +54,7 @@ class AdmissionSync:
         enqueue: Callable[[SpoolEntry], None],
         poll_s: float,
         idle_sync_s: float,
+        changed_margin_s: float = CHANGED_MARGIN_S,
     ) -> None:
         self.run = run
         self.rest = rest
@@ -55,8 +65,10 @@ class AdmissionSync:
         self._enqueue = enqueue
         self._poll_s = poll_s
         self._idle_sync_s = idle_sync_s
+        self._margin = timedelta(seconds=changed_margin_s)
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._since: datetime | None = None  # the next incremental query's `since` (None: read everything)
         self._first = threading.Event()  # the first query answered or failed
         self._thread = threading.Thread(target=self._loop, name="pinned-eval-admission", daemon=True)
 
@@ -69,7 +81,11 @@ class AdmissionSync:
 
     def refresh(self) -> set[int]:
         """Query the server now and refresh the view; returns the steps in flight (network I/O)."""
-        runs = self.rest.point_runs(self.run)
+        if self._since is None:
+            runs, at = self.rest.point_runs_at(self.run)
+        else:
+            runs, at = self.rest.point_runs_changed(self.run, self._since, self.view.unseen())
+        self._since = None if at is None else at - self._margin
         busy, fallback = self.view.refresh(runs, self._spooled())
         for request in fallback:
             self._enqueue(run_request_entry(request, self._blocks))

@@ -8,18 +8,22 @@ degrade (admit and spool) instead of failing; other HTTP errors (a 401 included)
 `httpx.HTTPStatusError`.
 
 A run's point flow runs and which are in flight are defined once, in `pinned_eval.inflight`
-(one query, matched on the `run` parameter); `point_runs` sends that query.
+(one query, matched on the `run` parameter); `point_runs` sends that query (the whole history,
+paged), `point_runs_changed` the incremental one (what can be in flight or changed since a time);
+both return the server's clock at the first page (its `Date` header) for the next `since`.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from pinned_eval.inflight import POINT_FLOW, in_flight, is_point_of, point_runs_filter
+from pinned_eval.inflight import POINT_FLOW, changed_runs_filter, in_flight, is_point_of, point_runs_filter
 from pinned_eval.settings import PrefectApiSettings
 
 _PAGE = 200
@@ -92,23 +96,50 @@ class PrefectRest:
 
     # ---- flow runs ---------------------------------------------------------------------------
 
-    def _filter(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+    def _filter(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], datetime | None]:
+        """Every page of `POST /flow_runs/filter`, and the server's time at the first (None when
+        it sent no usable `Date` header)."""
         out: list[dict[str, Any]] = []
         offset = 0
+        at: datetime | None = None
         while True:
             resp = self._call("POST", "/flow_runs/filter", json={**body, "limit": _PAGE, "offset": offset})
             resp.raise_for_status()
+            if offset == 0:
+                at = _server_time(resp)
             page = resp.json()
             out.extend(page)
             if len(page) < _PAGE:
-                return out
+                return out, at
             offset += _PAGE
+
+    def _points(self, body: dict[str, Any], run: str) -> list[PointRun]:
+        raw, _ = self._filter(body)
+        return self._sorted(raw, run)
+
+    @staticmethod
+    def _sorted(raw: list[dict[str, Any]], run: str) -> list[PointRun]:
+        runs = [_point_run(r) for r in raw if is_point_of(r.get("parameters"), run)]
+        return sorted(runs, key=lambda r: (r.created, r.id))
 
     def point_runs(self, run: str) -> list[PointRun]:
         """Flow runs of `run`'s eval points, oldest first (`pinned_eval.inflight` defines which)."""
-        body = point_runs_filter(run, self.flow_name)
-        runs = [_point_run(r) for r in self._filter(body) if is_point_of(r.get("parameters"), run)]
-        return sorted(runs, key=lambda r: (r.created, r.id))
+        return self._points(point_runs_filter(run, self.flow_name), run)
+
+    def point_runs_at(self, run: str) -> tuple[list[PointRun], datetime | None]:
+        """`point_runs(run)` and the server's time when it answered (None if it did not say)."""
+        raw, at = self._filter(point_runs_filter(run, self.flow_name))
+        return self._sorted(raw, run), at
+
+    def point_runs_changed(
+        self, run: str, since: datetime, unseen: list[int]
+    ) -> tuple[list[PointRun], datetime | None]:
+        """`run`'s point flow runs that are not terminal, ended at or after `since`, or are named
+        after a step in `unseen` (`pinned_eval.inflight.changed_runs_filter`), oldest first; and
+        the server's time when it answered."""
+        body = changed_runs_filter(run, since.isoformat(), unseen, self.flow_name)
+        raw, at = self._filter(body)
+        return self._sorted(raw, run), at
 
     def post_events(self, events: list[dict[str, Any]]) -> httpx.Response:
         """`POST /events` (204 on success; the server de-duplicates by event id)."""
@@ -148,6 +179,13 @@ class PrefectRest:
             return None
         resp.raise_for_status()
         return dict(resp.json()["data"])
+
+
+def _server_time(resp: httpx.Response) -> datetime | None:
+    try:
+        return parsedate_to_datetime(resp.headers["date"]).astimezone(UTC)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _point_run(raw: dict[str, Any]) -> PointRun:

@@ -18,11 +18,29 @@ from app.commands.results import last_two_compared
 if TYPE_CHECKING:
     from app.history import RunHistory
 
+DEFAULT_LAST = 50
+LastOpt = Annotated[
+    int | None,
+    typer.Option("--last", min=0, metavar="N", help=f"Only the latest N steps (default {DEFAULT_LAST}, or every "
+                 "step from --since; 0: every step)."),
+]
+SinceOpt = Annotated[int | None, typer.Option("--since", min=0, help="Only steps at or after STEP.", metavar="STEP")]
+
+
+def window(last: int | None, since: int | None) -> int | None:
+    """The `last` bound to read with: the default view is the latest `DEFAULT_LAST` steps; with
+    `--since` alone, every step from there; `--last 0`, every step."""
+    if last is None:
+        return None if since is not None else DEFAULT_LAST
+    return last or None
+
 
 def status(
     run: RunOpt,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full history as JSON.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every attempt of every step.")] = False,
+    last: LastOpt = None,
+    since: SinceOpt = None,
 ) -> None:
     """Table of a run's steps: state, reason, score per dataset, weight version, lag, attempts; then
     the reason and message of every skipped or failed step."""
@@ -34,7 +52,7 @@ def status(
     )
 
     with prefect_client() as client:
-        history = read_history(run, client=client)
+        history = read_history(run, client=client, last=window(last, since), since=since)
     if as_json:
         doc = {**history.model_dump(mode="json"), "table": status_rows(history)}
         typer.echo(json.dumps(doc, indent=2))
@@ -72,6 +90,8 @@ def report(
         typer.Option("--sinks", help="Sinks block with a results store: the HTML adds the flips between the "
                      "last two measured steps (`pinned-eval compare`)."),
     ] = None,
+    last: LastOpt = None,
+    since: SinceOpt = None,
 ) -> None:
     """Plot score per dataset vs step; skipped and failed steps are marked with their reason."""
     from app.history import read_history  # prefect: slow import; `pinned-eval --help` stays fast
@@ -80,7 +100,7 @@ def report(
     if out.suffix.lower() not in (".png", ".html", ".htm"):
         fail(f"--out: {out.name!r} must end in .png or .html", 2)
     with prefect_client() as client:
-        history = read_history(run, client=client)
+        history = read_history(run, client=client, last=window(last, since), since=since)
         if not history.points:
             fail(f"no eval point of run {run!r} is recorded")
         comparison = last_two_compared(history, sinks) if sinks else ""  # app/commands/results.py
