@@ -4,10 +4,19 @@ An example (dataset, example id) is *correct* at a step when the mean reward of 
 >= `threshold` (a sample without a reward counts 0). `lost`: correct at A, wrong at B; `gained`:
 wrong at A, correct at B. Examples present at only one of the steps are counted in `unmatched`
 and never listed as flips. Flips are ordered by example id.
+
+Transcripts (agentic samples, `pinned_eval.results.tables`): for each example matched at both
+steps whose first samples both carry a transcript and the two differ, `transcripts` says where
+they first differ: `turn` is the index of the first differing message (0 = the transcript's first
+message), with each side's role and a one-line excerpt (its content, then its tool calls as JSON;
+`(none)` / "" where that side's transcript already ended). Without transcripts (single-turn
+points, files written before the columns existed) `transcripts` is empty and neither the text nor
+the JSON of `compare` mentions it.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import Any
 
@@ -29,6 +38,19 @@ class Flip(BaseModel):
     reward_b: float
 
 
+class TranscriptDiff(BaseModel):
+    """Where one example's transcripts (each step's first sample) first differ."""
+
+    model_config = ConfigDict(frozen=True)
+
+    example_id: int
+    turn: int
+    role_a: str
+    role_b: str
+    excerpt_a: str
+    excerpt_b: str
+
+
 class DatasetFlips(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -37,6 +59,44 @@ class DatasetFlips(BaseModel):
     lost: list[Flip]
     gained: list[Flip]
     unmatched: int
+    transcripts: list[TranscriptDiff] = []
+
+    def as_json(self) -> dict[str, Any]:
+        """`compare --json`'s object: `transcripts` only when some transcripts differ."""
+        return self.model_dump(exclude=set() if self.transcripts else {"transcripts"})
+
+
+EXCERPT = 80  # characters of each side's message in a TranscriptDiff
+
+
+def _excerpt(message: dict[str, Any] | None) -> str:
+    if message is None:
+        return ""
+    text = message.get("content") or ""
+    if not isinstance(text, str):
+        text = json.dumps(text, sort_keys=True)
+    if message.get("tool_calls"):
+        text = f"{text} tool_calls={json.dumps(message['tool_calls'], sort_keys=True)}".strip()
+    one_line = text.replace("\n", "\\n")
+    return one_line if len(one_line) <= EXCERPT else one_line[: EXCERPT - 1] + "…"
+
+
+def _messages(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    raw = row.get("messages")  # absent: a file written before transcripts were kept
+    return None if raw is None else list(json.loads(raw))
+
+
+def transcript_diff(example_id: int, a: dict[str, Any], b: dict[str, Any]) -> TranscriptDiff | None:
+    """Where rows `a` and `b`'s transcripts first differ; None when equal or either has none."""
+    ma, mb = _messages(a), _messages(b)
+    if ma is None or mb is None or ma == mb:
+        return None
+    turn = next((i for i, (x, y) in enumerate(zip(ma, mb, strict=False)) if x != y), min(len(ma), len(mb)))
+    xa = ma[turn] if turn < len(ma) else None
+    xb = mb[turn] if turn < len(mb) else None
+    return TranscriptDiff(example_id=example_id, turn=turn, role_a=str(xa.get("role")) if xa else "(none)",
+                          role_b=str(xb.get("role")) if xb else "(none)", excerpt_a=_excerpt(xa),
+                          excerpt_b=_excerpt(xb))
 
 
 def _by_example(table: pa.Table) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -61,8 +121,12 @@ def compare_samples(a: pa.Table, b: pa.Table, threshold: float = 1.0) -> list[Da
         ids_b = {i for d, i in eb if d == ds}
         lost: list[Flip] = []
         gained: list[Flip] = []
+        diffs: list[TranscriptDiff] = []
         for i in sorted(ids_a & ids_b):
             sa, sb = ea[ds, i], eb[ds, i]
+            diff = transcript_diff(i, sa[0], sb[0])
+            if diff is not None:
+                diffs.append(diff)
             ra, rb = _mean_reward(sa), _mean_reward(sb)
             ok_a, ok_b = ra >= threshold, rb >= threshold
             if ok_a == ok_b:
@@ -71,7 +135,7 @@ def compare_samples(a: pa.Table, b: pa.Table, threshold: float = 1.0) -> list[Da
                         response_b=sb[0]["response"], reward_a=ra, reward_b=rb)
             (lost if ok_a else gained).append(flip)
         out.append(DatasetFlips(dataset=ds, examples=len(ids_a & ids_b), lost=lost, gained=gained,
-                                unmatched=len(ids_a ^ ids_b)))
+                                unmatched=len(ids_a ^ ids_b), transcripts=diffs))
     return out
 
 
@@ -88,10 +152,15 @@ def format_flips(
     for d in flips:
         lines.append(f"{d.dataset}: {d.examples} examples, {len(d.lost)} correct in A and wrong in B, "
                      f"{len(d.gained)} wrong in A and correct in B" + (f", {d.unmatched} unmatched" if d.unmatched
-                                                                       else ""))
+                                                                       else "")
+                     + (f", {len(d.transcripts)} with transcripts that differ" if d.transcripts else ""))
         for title, items in (("correct in A, wrong in B", d.lost), ("wrong in A, correct in B", d.gained)):
             for f in items[:limit]:
                 lines.append(f"  [{title}] #{f.example_id} prompt={cut(f.prompt)!r} label={f.label}")
                 lines.append(f"      A ({f.reward_a:g}): {cut(f.response_a)!r}")
                 lines.append(f"      B ({f.reward_b:g}): {cut(f.response_b)!r}")
+        for t in d.transcripts[:limit]:
+            lines.append(f"  [transcripts differ] #{t.example_id} first at turn {t.turn}")
+            lines.append(f"      A {t.role_a}: {t.excerpt_a!r}")
+            lines.append(f"      B {t.role_b}: {t.excerpt_b!r}")
     return "\n".join(lines)
