@@ -140,12 +140,14 @@ def test_old_files_without_transcript_columns_still_compare(tmp_path: Path) -> N
 
 def test_rescore_keeps_a_stored_rollout_reward(tmp_path: Path) -> None:
     suite = EvalSuite(
-        datasets=(DatasetSpec(name="tool", path="builtin:arith_add.jsonl", max_prompts=2),),
+        datasets=(DatasetSpec(name="tool", path="builtin:arith_add.jsonl", max_prompts=3),),
         defaults=SamplingDefaults(temperature=0.0, max_new_tokens=5, reward="exact_match"),
     )
     store = ResultsStore(str(tmp_path / "results"))
-    gens = [_agentic(0, "7", reward=0.25), _agentic(1, "7")]
+    gens = [_agentic(0, "7", reward=0.25), _agentic(1, "7"), _agentic(2, "7").model_copy(update={"status": "aborted"})]
     store.write("exp", 5, GENERATIONS, generations_table(_rows(gens, 0.0), "k"))
     stored = [Generation(**generation_fields(r)) for r in store.read("exp", 5, GENERATIONS).to_pylist()]
+    assert stored == gens  # what a cache hit and a rescore read back: the whole transcript
     _, _, rewards = score_generations(stored, suite.resolved(), suite, step=5)
-    assert rewards == {("tool", 0, 0): 0.25, ("tool", 1, 0): 0.0}  # kept; the other scored by exact_match
+    # kept; the next scored by exact_match; the aborted one, as at the point, unscored
+    assert rewards == {("tool", 0, 0): 0.25, ("tool", 1, 0): 0.0, ("tool", 2, 0): None}
