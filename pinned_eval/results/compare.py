@@ -6,22 +6,21 @@ wrong at A, correct at B. Examples present at only one of the steps are counted 
 and never listed as flips. Flips are ordered by example id.
 
 Transcripts (agentic samples, `pinned_eval.results.tables`): for each example matched at both
-steps whose first samples both carry a transcript and the two differ, `transcripts` says where
-they first differ: `turn` is the index of the first differing message (0 = the transcript's first
-message), with each side's role and a one-line excerpt (its content, then its tool calls as JSON;
-`(none)` / "" where that side's transcript already ended). Without transcripts (single-turn
+steps whose first samples both carry a transcript and say different things, `transcripts` says
+where they first differ (`pinned_eval.results.transcripts`). Without transcripts (single-turn
 points, files written before the columns existed) `transcripts` is empty and neither the text nor
 the JSON of `compare` mentions it.
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from typing import Any
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
+
+from pinned_eval.results.transcripts import TranscriptDiff, transcript_diff
 
 
 class Flip(BaseModel):
@@ -38,19 +37,6 @@ class Flip(BaseModel):
     reward_b: float
 
 
-class TranscriptDiff(BaseModel):
-    """Where one example's transcripts (each step's first sample) first differ."""
-
-    model_config = ConfigDict(frozen=True)
-
-    example_id: int
-    turn: int
-    role_a: str
-    role_b: str
-    excerpt_a: str
-    excerpt_b: str
-
-
 class DatasetFlips(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -64,39 +50,6 @@ class DatasetFlips(BaseModel):
     def as_json(self) -> dict[str, Any]:
         """`compare --json`'s object: `transcripts` only when some transcripts differ."""
         return self.model_dump(exclude=set() if self.transcripts else {"transcripts"})
-
-
-EXCERPT = 80  # characters of each side's message in a TranscriptDiff
-
-
-def _excerpt(message: dict[str, Any] | None) -> str:
-    if message is None:
-        return ""
-    text = message.get("content") or ""
-    if not isinstance(text, str):
-        text = json.dumps(text, sort_keys=True)
-    if message.get("tool_calls"):
-        text = f"{text} tool_calls={json.dumps(message['tool_calls'], sort_keys=True)}".strip()
-    one_line = text.replace("\n", "\\n")
-    return one_line if len(one_line) <= EXCERPT else one_line[: EXCERPT - 1] + "…"
-
-
-def _messages(row: dict[str, Any]) -> list[dict[str, Any]] | None:
-    raw = row.get("messages")  # absent: a file written before transcripts were kept
-    return None if raw is None else list(json.loads(raw))
-
-
-def transcript_diff(example_id: int, a: dict[str, Any], b: dict[str, Any]) -> TranscriptDiff | None:
-    """Where rows `a` and `b`'s transcripts first differ; None when equal or either has none."""
-    ma, mb = _messages(a), _messages(b)
-    if ma is None or mb is None or ma == mb:
-        return None
-    turn = next((i for i, (x, y) in enumerate(zip(ma, mb, strict=False)) if x != y), min(len(ma), len(mb)))
-    xa = ma[turn] if turn < len(ma) else None
-    xb = mb[turn] if turn < len(mb) else None
-    return TranscriptDiff(example_id=example_id, turn=turn, role_a=str(xa.get("role")) if xa else "(none)",
-                          role_b=str(xb.get("role")) if xb else "(none)", excerpt_a=_excerpt(xa),
-                          excerpt_b=_excerpt(xb))
 
 
 def _by_example(table: pa.Table) -> dict[tuple[str, int], list[dict[str, Any]]]:

@@ -15,6 +15,7 @@ from pinned_eval.results.tables import (
     samples_table,
     table_key,
 )
+from pinned_eval.results.transcripts import TranscriptDiff, transcript_diff
 from pinned_eval.sinks import log_to_wandb
 from pinned_eval.sinks.wandb import WandbConfig, WandbExporter
 from pinned_eval.suite import DatasetSpec, EvalSuite, SamplingDefaults
@@ -151,3 +152,49 @@ def test_rescore_keeps_a_stored_rollout_reward(tmp_path: Path) -> None:
     _, _, rewards = score_generations(stored, suite.resolved(), suite, step=5)
     # kept; the next scored by exact_match; the aborted one, as at the point, unscored
     assert rewards == {("tool", 0, 0): 0.25, ("tool", 1, 0): 0.0, ("tool", 2, 0): None}
+
+
+def _call(version: str, history: list[dict[str, Any]], text: str, call_id: str | None) -> dict[str, Any]:
+    calls = [{**CALL, "id": call_id}] if call_id else []
+    return {"route": "/sessions/{id}/v1/chat/completions", "status": 200, "messages": history, "text": text,
+            "tool_calls": calls, "finish_reason": "tool_calls" if calls else "stop", "weight_version": version,
+            "prompt_tokens": 9, "completion_tokens": 3}
+
+
+def _gateway_transcript(version: str, second_output: str) -> list[dict[str, Any]]:
+    """Three model calls as the point gateway records them; tool-call ids are random per step."""
+    user = {"role": "user", "content": "3+4, twice?"}
+    turn0 = {"role": "assistant", "content": "", "tool_calls": [{**CALL, "id": f"a{version}"}]}
+    turn1 = {"role": "assistant", "content": "", "tool_calls": [{**CALL, "id": f"b{version}"}]}
+    h1 = [user, turn0, {"role": "tool", "content": "7", "tool_call_id": f"a{version}"}]
+    h2 = [*h1, turn1, {"role": "tool", "content": second_output, "tool_call_id": f"b{version}"}]
+    return [_call(version, [user], "", f"a{version}"), _call(version, h1, "", f"b{version}"),
+            _call(version, h2, f"Both are {second_output}", None)]
+
+
+def test_gateway_transcripts_differ_only_in_what_was_said(tmp_path: Path) -> None:
+    def step(version: str, out1: str) -> Any:
+        gens = [_agentic(i, "7").model_copy(update={"messages": _gateway_transcript(version, o), "turns": 3})
+                for i, o in enumerate(["7", out1])]
+        return samples_table(_rows(gens, 1.0), key=None)
+
+    [d] = compare_samples(step("1", "7"), step("2", "8"))  # versions and call ids differ everywhere
+    assert [t.model_dump() for t in d.transcripts] == [
+        {"example_id": 1, "turn": 2, "role_a": "tool", "role_b": "tool", "excerpt_a": "7", "excerpt_b": "8"}]
+    [same] = compare_samples(step("1", "7"), step("2", "7"))
+    assert same.transcripts == []
+    shorter = _agentic(0, "7").model_copy(update={"messages": _gateway_transcript("2", "7")[:2]})
+    [cut] = compare_samples(step("1", "7"), samples_table(_rows([shorter], 1.0), key=None))
+    assert [t.model_dump() for t in cut.transcripts] == [
+        {"example_id": 0, "turn": 2, "role_a": "user", "role_b": "(none)", "excerpt_a": "3+4, twice?",
+         "excerpt_b": ""}]
+
+
+def test_a_differing_tool_call_is_excerpted_as_name_and_arguments() -> None:
+    other = {**CALL, "id": "zz", "function": {"name": "python", "arguments": '{"code": "print(3*4)"}'}}
+    a = {"messages": json.dumps(_transcript("7"))}
+    b = {"messages": json.dumps([_transcript("7")[0], {"role": "assistant", "content": "", "tool_calls": [other]}])}
+    assert transcript_diff(4, a, b) == TranscriptDiff(
+        example_id=4, turn=1, role_a="assistant", role_b="assistant",
+        excerpt_a='python({"code": "print(3+4)"})', excerpt_b='python({"code": "print(3*4)"})')
+    assert transcript_diff(4, a, {"messages": None}) is None and transcript_diff(4, a, {}) is None
