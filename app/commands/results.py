@@ -1,11 +1,12 @@
 """`pinned-eval compare|rescore`: read a run's stored samples (the sinks block's results store).
 
 - `compare RUN STEP_A STEP_B`: per dataset, the examples that flipped each way between the two
-  points (`pinned_eval.results.compare`), with their prompts and responses.
+  points (`pinned_eval.results.compare`), with their prompts and responses, and for agentic samples
+  where two steps' transcripts first differ.
 - `rescore RUN STEP`: score the point's stored generations again with the suite block's current
-  rewards (no fleet, no engine request), rewrite its samples file (marked rescored) and replace its
-  JSONL rows: the new `eval/<ds>...` metrics, the point's other metrics (step, lag, duration) as they
-  were, and `eval/rescored: 1`.
+  rewards (no fleet, no engine request; a reward an agentic rollout set itself is kept), rewrite
+  its samples file (marked rescored) and replace its JSONL rows: the new `eval/<ds>...` metrics,
+  the point's other metrics (step, lag, duration) as they were, and `eval/rescored: 1`.
 
 Exit codes: 0 success; 1 nothing stored for the point (or no results store configured), or
 Prefect unreachable; 2 bad input (a suite without the stored datasets, a `custom:` reward whose
@@ -63,7 +64,7 @@ def compare(
         fail(str(exc))
     flips = compare_samples(a, b, threshold)
     if as_json:
-        typer.echo(json.dumps([f.model_dump() for f in flips], indent=2))
+        typer.echo(json.dumps([f.as_json() for f in flips], indent=2))
     else:
         typer.echo(format_flips(run, step_a, step_b, flips))
 

@@ -4,6 +4,12 @@ An example (dataset, example id) is *correct* at a step when the mean reward of 
 >= `threshold` (a sample without a reward counts 0). `lost`: correct at A, wrong at B; `gained`:
 wrong at A, correct at B. Examples present at only one of the steps are counted in `unmatched`
 and never listed as flips. Flips are ordered by example id.
+
+Transcripts (agentic samples, `pinned_eval.results.tables`): for each example matched at both
+steps whose first samples both carry a transcript and say different things, `transcripts` says
+where they first differ (`pinned_eval.results.transcripts`). Without transcripts (single-turn
+points, files written before the columns existed) `transcripts` is empty and neither the text nor
+the JSON of `compare` mentions it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import Any
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
+
+from pinned_eval.results.transcripts import TranscriptDiff, transcript_diff
 
 
 class Flip(BaseModel):
@@ -37,6 +45,11 @@ class DatasetFlips(BaseModel):
     lost: list[Flip]
     gained: list[Flip]
     unmatched: int
+    transcripts: list[TranscriptDiff] = []
+
+    def as_json(self) -> dict[str, Any]:
+        """`compare --json`'s object: `transcripts` only when some transcripts differ."""
+        return self.model_dump(exclude=set() if self.transcripts else {"transcripts"})
 
 
 def _by_example(table: pa.Table) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -61,8 +74,12 @@ def compare_samples(a: pa.Table, b: pa.Table, threshold: float = 1.0) -> list[Da
         ids_b = {i for d, i in eb if d == ds}
         lost: list[Flip] = []
         gained: list[Flip] = []
+        diffs: list[TranscriptDiff] = []
         for i in sorted(ids_a & ids_b):
             sa, sb = ea[ds, i], eb[ds, i]
+            diff = transcript_diff(i, sa[0], sb[0])
+            if diff is not None:
+                diffs.append(diff)
             ra, rb = _mean_reward(sa), _mean_reward(sb)
             ok_a, ok_b = ra >= threshold, rb >= threshold
             if ok_a == ok_b:
@@ -71,7 +88,7 @@ def compare_samples(a: pa.Table, b: pa.Table, threshold: float = 1.0) -> list[Da
                         response_b=sb[0]["response"], reward_a=ra, reward_b=rb)
             (lost if ok_a else gained).append(flip)
         out.append(DatasetFlips(dataset=ds, examples=len(ids_a & ids_b), lost=lost, gained=gained,
-                                unmatched=len(ids_a ^ ids_b)))
+                                unmatched=len(ids_a ^ ids_b), transcripts=diffs))
     return out
 
 
@@ -88,10 +105,15 @@ def format_flips(
     for d in flips:
         lines.append(f"{d.dataset}: {d.examples} examples, {len(d.lost)} correct in A and wrong in B, "
                      f"{len(d.gained)} wrong in A and correct in B" + (f", {d.unmatched} unmatched" if d.unmatched
-                                                                       else ""))
+                                                                       else "")
+                     + (f", {len(d.transcripts)} with transcripts that differ" if d.transcripts else ""))
         for title, items in (("correct in A, wrong in B", d.lost), ("wrong in A, correct in B", d.gained)):
             for f in items[:limit]:
                 lines.append(f"  [{title}] #{f.example_id} prompt={cut(f.prompt)!r} label={f.label}")
                 lines.append(f"      A ({f.reward_a:g}): {cut(f.response_a)!r}")
                 lines.append(f"      B ({f.reward_b:g}): {cut(f.response_b)!r}")
+        for t in d.transcripts[:limit]:
+            lines.append(f"  [transcripts differ] #{t.example_id} first at turn {t.turn}")
+            lines.append(f"      A {t.role_a}: {t.excerpt_a!r}")
+            lines.append(f"      B {t.role_b}: {t.excerpt_b!r}")
     return "\n".join(lines)

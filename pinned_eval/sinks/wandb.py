@@ -12,7 +12,9 @@ Writers (`SinksBlock.wandb_writer`):
 
 A measured point with a results store and `wandb_samples_per_dataset > 0` also logs the tables
 `eval/samples/<ds>`: the first N samples of each dataset (by example id, then sample index),
-read from the point's samples file. The `wandb` package is imported only when a point is logged.
+read from the point's samples file; a dataset whose samples carry transcripts (agentic rollouts)
+adds the columns `WANDB_TRANSCRIPT_COLUMNS` (messages and tool calls as JSON text). The `wandb`
+package is imported only when a point is logged.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ WANDB_SAMPLE_COLUMNS = (
     "completion_tokens",
     "weight_version",
 )
+
+WANDB_TRANSCRIPT_COLUMNS = ("turns", "status", "tool_calls", "messages")
 
 
 def wandb_eval_run_id(training_run_id: str) -> str:
@@ -169,6 +173,7 @@ class WandbExporter(BaseExporter):
     def sample_tables(self, run: str, step: int) -> dict[str, tuple[list[str], list[list[Any]]]]:
         """`eval/samples/<ds>` from the point's samples file; none without a store, a count or the file."""
         from pinned_eval.results.store import SAMPLES  # pyarrow: slow import, only when a point is logged
+        from pinned_eval.results.tables import has_transcript
 
         n = self.config.samples_per_dataset
         if self.store is None or n == 0 or not self.store.exists(run, step, SAMPLES):
@@ -177,10 +182,12 @@ class WandbExporter(BaseExporter):
         rows = sorted(
             self.store.read(run, step, SAMPLES).to_pylist(), key=lambda r: (r["example_id"], r["sample_index"])
         )
+        agentic = {r["dataset"] for r in rows if has_transcript(r)}
         for r in rows:
-            _, data = tables.setdefault(f"eval/samples/{r['dataset']}", (list(WANDB_SAMPLE_COLUMNS), []))
+            columns = [*WANDB_SAMPLE_COLUMNS, *(WANDB_TRANSCRIPT_COLUMNS if r["dataset"] in agentic else ())]
+            _, data = tables.setdefault(f"eval/samples/{r['dataset']}", (columns, []))
             if len(data) < n:
-                data.append([r[c] for c in WANDB_SAMPLE_COLUMNS])
+                data.append([r.get(c) for c in columns])
         return tables
 
 
