@@ -28,7 +28,8 @@ Contract:
 - the gateway's `violation` (a reply of another weight version -> `pin_violation`, a budget ->
   `agent_budget`) fails the point first; any failure of user code (an exception, no result within
   `sample_timeout_s`, the runner dying, e.g. of `memory_bytes`, an output flood) is the skip
-  `agent_error` naming the dataset, the sample index and the exception type.
+  `agent_error` naming the dataset, the sample index and the exception type, and the per-sample
+  limit the sample reached at the gateway if it reached one.
 This module imports no Prefect.
 """
 
@@ -160,9 +161,11 @@ class FunctionRollout:
                     except AgentError as exc:
                         if gateway.violation is not None:
                             raise gateway.violation from exc
+                        breach = gateway.sample_breaches.get(key)
+                        why = f" (the sample reached the gateway's {breach})" if breach else ""
                         raise EvalSkipped(
                             SkipReason.AGENT_ERROR,
-                            f"dataset {ds.name!r} sample {row.index} (j={j}): {exc.type}: {exc.message}"[:1000],
+                            f"dataset {ds.name!r} sample {row.index} (j={j}): {exc.type}: {exc.message}"[:900] + why,
                         ) from None
                     if gateway.violation is not None:
                         raise gateway.violation
