@@ -2,7 +2,8 @@
 sglang-router, a suite loaded from a miles-shaped YAML (`pinned-eval suite miles`).
 
 - a retool-style multi-turn dataset (miles' generate hub `multi_turn`, the stock sandboxed Python
-  tool: the model's `print(6*7)` really runs in bubblewrap) next to a plain single-turn dataset:
+  tool: the model's `print(6*7)` really runs in bubblewrap), the same with examples/agentic's own
+  generate function, next to a plain single-turn dataset:
   the point is measured, every sample at the pinned version, the tool's output in the stored
   samples;
 - a runaway function is the point's skip with its reason: endless turns stop at the suite's
@@ -39,6 +40,7 @@ from tests.pointkit import PointEnv, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "miles_style"
+EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "agentic"
 YAML = FIXTURES / "agentic_point" / "eval.yaml"
 CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
 RULES = [
@@ -83,7 +85,8 @@ def fixtures_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner (a subprocess of the worker) imports the fixture functions from its PYTHONPATH."""
     import os
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")])))
+    paths = [str(FIXTURES), str(EXAMPLE), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -115,13 +118,13 @@ def _runaway(tmp_path: Path, function: str, rows: list[dict], **limits: object) 
 
 
 def test_agentic_point_is_measured_at_the_pinned_version_with_the_tool_run_in_the_sandbox(
-    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path, fixtures_importable: None
 ) -> None:
     _write(tmp_path / "retool.jsonl", [{"prompt": "What is 6*7?", "label": "42"}])
     _write(tmp_path / "plain.jsonl", [{"prompt": "Name a prime.", "label": "7"}])
     shown = CliRunner().invoke(app, ["suite", "miles", str(YAML), "--set", f"DATA_DIR={tmp_path}"])
     assert shown.exit_code == 0, shown.output
-    assert [d["name"] for d in json.loads(shown.stdout)] == ["retool", "plain"]
+    assert [d["name"] for d in json.loads(shown.stdout)] == ["retool", "retool_custom", "plain"]
     suite = EvalSuite.from_miles_yaml(YAML, variables={"DATA_DIR": str(tmp_path)})
     env = _env(tmp_path, fleet, suite)
 
@@ -130,15 +133,17 @@ def test_agentic_point_is_measured_at_the_pinned_version_with_the_tool_run_in_th
     assert state.name == "Completed", state.message
     rows = {r.dataset: r for r in JsonlSink(env.jsonl).read(env.run)}
     assert {d: (r.state, r.weight_version, r.metrics[f"eval/{d}"]) for d, r in rows.items()} == {
-        "retool": ("measured", "3", 1.0), "plain": ("measured", "3", 1.0)}
+        "retool": ("measured", "3", 1.0), "retool_custom": ("measured", "3", 1.0), "plain": ("measured", "3", 1.0)}
     assert rows["retool"].metrics["eval/retool/weight_version/mixed_version_ratio"] == 0
     samples = SinksBlock.load(env.blocks["sinks"]).results_store().read(env.run, 3, SAMPLES).to_pylist()
     by = {s["dataset"]: s for s in samples}
     assert by["retool"]["response"].startswith(CALL)
     assert "Output:\n42" in by["retool"]["response"]  # print(6*7) ran in the sandbox
     assert by["retool"]["response"].endswith("So the answer is \\boxed{42}.")
-    assert (by["retool"]["weight_version"], by["plain"]["weight_version"]) == ("3", "3")
-    assert (by["retool"]["reward"], by["plain"]["reward"]) == (1.0, 1.0)
+    assert by["retool_custom"]["response"] == (f"{CALL}\n<tool_response>\nOutput:\n42\n</tool_response>\n"
+                                               "So the answer is \\boxed{42}.")
+    assert {d: (s["weight_version"], s["reward"]) for d, s in by.items()} == {
+        "retool": ("3", 1.0), "retool_custom": ("3", 1.0), "plain": ("3", 1.0)}
 
 
 def test_endless_turns_stop_at_the_suites_turn_limit(
