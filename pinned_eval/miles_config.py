@@ -81,6 +81,9 @@ MILES_KEYS = {
     "generate_tool_call_parser": "generate_tool_call_parser",
     "custom_agent_function_path": "custom_agent_function_path",
     "generate_execute_tool_function_path": "generate_execute_tool_function_path",
+    # the point gateway's limits (pinned-eval extension keys, docs/agentic.md)
+    **{k: k for k in ("agent_max_requests", "agent_max_tokens", "agent_max_turns", "agent_max_tokens_per_sample",
+                      "agent_sample_wall_s", "agent_sample_timeout_s")},
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
 UNSUPPORTED_UNLESS_EMPTY = ("stop_token_ids", "min_new_tokens")

@@ -126,6 +126,15 @@ class _SamplingFields(BaseModel):
     custom_agent_function_path: ImportPath | None = Field(
         default=None, description="miles --custom-agent-function-path."
     )
+    # the point gateway's limits (docs/agentic.md): one gateway serves every agentic dataset of a point
+    agent_max_requests: int | None = Field(default=None, ge=1, description="Model calls per point (gateway budget).")
+    agent_max_tokens: int | None = Field(default=None, ge=1, description="Prompt + completion tokens per point.")
+    agent_max_turns: int | None = Field(default=None, ge=1, description="Model calls per agentic sample.")
+    agent_max_tokens_per_sample: int | None = Field(default=None, ge=1, description="Tokens per agentic sample.")
+    agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
+    agent_sample_timeout_s: float | None = Field(
+        default=None, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -200,9 +209,20 @@ class SamplingFallbacks(BaseModel):
     custom_agent_function_path: ImportPath | None = Field(
         default=None, description="miles --custom-agent-function-path."
     )
+    # the point gateway's limits (docs/agentic.md): one gateway serves every agentic dataset of a point
+    agent_max_requests: int | None = Field(default=None, ge=1, description="Model calls per point (gateway budget).")
+    agent_max_tokens: int | None = Field(default=None, ge=1, description="Prompt + completion tokens per point.")
+    agent_max_turns: int | None = Field(default=None, ge=1, description="Model calls per agentic sample.")
+    agent_max_tokens_per_sample: int | None = Field(default=None, ge=1, description="Tokens per agentic sample.")
+    agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
+    agent_sample_timeout_s: float = Field(
+        default=600.0, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
+    )
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)
+GATEWAY_FIELDS = ("agent_max_requests", "agent_max_tokens", "agent_max_turns", "agent_max_tokens_per_sample",
+                  "agent_sample_wall_s")
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -238,6 +258,18 @@ class EvalSuite(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"datasets: duplicate dataset name(s) {dupes}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_gateway(self) -> EvalSuite:
+        """One gateway per point serves every agentic dataset: its limits must agree across them."""
+        agentic = [ds for ds in self.resolved() if ds.generate_function is not None]
+        for field in GATEWAY_FIELDS:
+            values = {getattr(ds, field) for ds in agentic}
+            if len(values) > 1:
+                names = [ds.name for ds in agentic]
+                raise ValueError(f"{field}: one gateway per point serves datasets {names}; "
+                                 f"they set different values {sorted(values, key=str)}; set it once in defaults")
         return self
 
     @model_validator(mode="after")

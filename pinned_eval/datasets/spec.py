@@ -76,6 +76,12 @@ class ResolvedDataset(BaseModel):
     custom_agent_function_path: ImportPath | None = Field(
         default=None, description="miles --custom-agent-function-path."
     )
+    agent_max_requests: int | None = Field(default=None, ge=1, description="Model calls per point (gateway).")
+    agent_max_tokens: int | None = Field(default=None, ge=1, description="Tokens per point (gateway).")
+    agent_max_turns: int | None = Field(default=None, ge=1, description="Model calls per agentic sample.")
+    agent_max_tokens_per_sample: int | None = Field(default=None, ge=1, description="Tokens per agentic sample.")
+    agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
+    agent_sample_timeout_s: float = Field(default=600.0, gt=0, description="Seconds per generate-function call.")
 
     @property
     def rollout(self) -> str:

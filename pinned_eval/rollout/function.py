@@ -22,10 +22,14 @@ Contract:
   gateway's transcript of the sample (calls made in its session or naming its routing key) is
   kept as `messages` and counted as `turns`; an agent function's sample (miles' hub
   `agentic_tool_call`) takes its response, status and weight versions from the last reply there.
+- the gateway's limits: the constructor's `limits`, else the datasets' `agent_*` fields (the
+  suite's, `gateway_limits`); a sample's deadline `sample_timeout_s`, else its dataset's
+  `agent_sample_timeout_s`.
 - the gateway's `violation` (a reply of another weight version -> `pin_violation`, a budget ->
   `agent_budget`) fails the point first; any failure of user code (an exception, no result within
   `sample_timeout_s`, the runner dying, e.g. of `memory_bytes`, an output flood) is the skip
-  `agent_error` naming the dataset, the sample index and the exception type.
+  `agent_error` naming the dataset, the sample index and the exception type, and the per-sample
+  limit the sample reached at the gateway if it reached one.
 This module imports no Prefect.
 """
 
@@ -48,7 +52,7 @@ from pinned_eval.skips import EvalSkipped, SkipReason
 if TYPE_CHECKING:  # the gateway imports the rollout package (the session): imported where used
     from pinned_eval.gateway import GatewayLimits
 
-__all__ = ["FINISH_OF_STATUS", "FunctionRollout", "dataset_args"]
+__all__ = ["FINISH_OF_STATUS", "FunctionRollout", "dataset_args", "gateway_limits"]
 
 FINISH_OF_STATUS = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "failed"}
 
@@ -75,6 +79,23 @@ def dataset_args(ds: ResolvedDataset) -> dict[str, Any]:
     return out
 
 
+def gateway_limits(datasets: Sequence[ResolvedDataset]) -> GatewayLimits:
+    """The point gateway's limits from the datasets' `agent_*` fields (the suite checks that its
+    agentic datasets agree; datasets that disagree here are refused, naming the field)."""
+    from pinned_eval.gateway import GatewayLimits
+
+    names = {"max_requests": "agent_max_requests", "max_tokens": "agent_max_tokens",
+             "max_turns_per_sample": "agent_max_turns", "max_tokens_per_sample": "agent_max_tokens_per_sample",
+             "sample_wall_s": "agent_sample_wall_s"}
+    values: dict[str, Any] = {}
+    for limit, field in names.items():
+        seen = {getattr(ds, field) for ds in datasets}
+        if len(seen) > 1:
+            raise ValueError(f"{field}: one gateway per point; datasets set {sorted(seen, key=str)}")
+        values[limit] = seen.pop() if seen else None
+    return GatewayLimits(**values)
+
+
 class FunctionRollout:
     """miles generate functions (see the module docstring)."""
 
@@ -84,13 +105,11 @@ class FunctionRollout:
         self,
         limits: GatewayLimits | None = None,
         *,
-        sample_timeout_s: float = 600.0,
+        sample_timeout_s: float | None = None,
         memory_bytes: int | None = 4 * 1024**3,
         python_path: Sequence[str] = (),
     ) -> None:
-        from pinned_eval.gateway import GatewayLimits
-
-        self.limits = limits or GatewayLimits()
+        self.limits = limits
         self.sample_timeout_s = sample_timeout_s
         self.memory_bytes = memory_bytes
         self.python_path = list(python_path)
@@ -109,7 +128,7 @@ class FunctionRollout:
             (ds.name, s.index): renderer.render(ds, s).text if ds.apply_chat_template else s.prompt
             for ds in datasets for s in rows[ds.name]
         }
-        async with PointGateway(session, self.limits) as gateway:
+        async with PointGateway(session, self.limits or gateway_limits(datasets)) as gateway:
             url = urlsplit(gateway.base_url)
             init = {
                 "miles_args": {"sglang_router_ip": url.hostname, "sglang_router_port": url.port,
@@ -138,13 +157,15 @@ class FunctionRollout:
                         "reward": ds.reward,
                     }
                     try:
-                        records = await runner.generate(request, self.sample_timeout_s)
+                        records = await runner.generate(request, self.sample_timeout_s or ds.agent_sample_timeout_s)
                     except AgentError as exc:
                         if gateway.violation is not None:
                             raise gateway.violation from exc
+                        breach = gateway.sample_breaches.get(key)
+                        why = f" (the sample reached the gateway's {breach})" if breach else ""
                         raise EvalSkipped(
                             SkipReason.AGENT_ERROR,
-                            f"dataset {ds.name!r} sample {row.index} (j={j}): {exc.type}: {exc.message}"[:1000],
+                            f"dataset {ds.name!r} sample {row.index} (j={j}): {exc.type}: {exc.message}"[:900] + why,
                         ) from None
                     if gateway.violation is not None:
                         raise gateway.violation

@@ -102,7 +102,7 @@ def test_documented_defaults() -> None:
     from pinned_eval.agentic.client import MAX_EVENT_BYTES, STDERR_TAIL
 
     rollout = FunctionRollout()
-    assert (rollout.memory_bytes, rollout.sample_timeout_s) == (4 << 30, 600.0)
+    assert (rollout.memory_bytes, rollout.sample_timeout_s, rollout.limits) == (4 << 30, None, None)
     assert (STDERR_TAIL, MAX_EVENT_BYTES) == (4096, 16 << 20)
 
 
