@@ -86,7 +86,7 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
         FleetBlock(name=f"f{tag}", mode="launch", state_file=state_file).save(f"fleet-{tag}")
         StagingBlock(root=str(staging), keep_snapshots=0, source_roots=[str(Path(model).parent)]).save(f"staging-{tag}")
         SinksBlock(jsonl_path=str(Path(tmp) / "metrics.jsonl")).save(f"sinks-{tag}")
-        params = {"suite": f"suite-{tag}", "fleet": f"fleet-{tag}", "staging": f"staging-{tag}", "sinks": f"sinks-{tag}"}
+        params = {kind: f"{kind}-{tag}" for kind in ("suite", "fleet", "staging", "sinks")}
         source = {"kind": "hf", "path": model, "require_marker": False}
         out: dict[str, list[Any]] = {"wall": [], "requests": [], "logs": [], "task_runs": [], "artifacts": [],
                                      "calls": []}
@@ -111,7 +111,8 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
                         break
                     last = len(runs) if final else -1
                     time.sleep(0.5)
-                arts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[frid])))
+                by_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[frid]))
+                arts = c.read_artifacts(artifact_filter=by_run)
             if step == 0:
                 continue
             logs = [x for x in calls if x.startswith("POST /logs")]
