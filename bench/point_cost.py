@@ -9,8 +9,9 @@ builtin `arith_add`, 4 prompts, `max_new_tokens` 4. Per point, after one warm-up
   the API URL; log batches, which a background worker posts on a timer, counted apart);
 - `task runs`, `artifacts`: read back from the API by the flow run's id;
 - `wall s/point`: seconds of `eval_point(...)` (noisy).
-Requests, task runs and artifacts are exact counts; where request counts differ, the calls that
-differ are listed (method and path, ids elided).
+Requests, task runs and artifacts are exact counts (`a-b`: the range over the points; a slot's
+`increment-with-lease` is retried while the limit is held, so requests vary by a call or two); the
+calls whose per-point counts differ between the checkouts are listed (method and path, ids elided).
 
 `python -m bench point_cost --base REV [--rounds N] [--points N]`
 """
@@ -25,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,7 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
 
         wrap(httpx.AsyncClient, "send")
         wrap(httpx.Client, "send")
-        tag = uuid.uuid4().hex[:8]
+        tag = "bench"  # one server per probe: fixed names keep the calls of both checkouts comparable
         staging = Path(tmp) / "staging"
         staging.mkdir()
         EvalSuiteBlock(suite=suite).save(f"suite-{tag}")
@@ -94,7 +94,7 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
             calls.clear()
             recording[0] = True
             t0 = time.perf_counter()
-            state = eval_point(run=f"pc{tag}", step=step, source=source, **params, return_state=True)
+            state = eval_point(run="pc", step=step, source=source, **params, return_state=True)
             wall = time.perf_counter() - t0
             recording[0] = False
             if state.name != "Completed":
@@ -130,6 +130,11 @@ def _one(values: list[int]) -> str:
     return str(values[0]) if len(set(values)) == 1 else f"{min(values)}-{max(values)}"
 
 
+def _seen(per_point: list[dict[str, int]], call: str) -> str:
+    """The counts of `call` seen in a point (0 where absent), e.g. `2` or `2-3`."""
+    return _one([counts.get(call, 0) for counts in per_point])
+
+
 def table(samples: dict[str, dict[str, list[Any]]], base: str) -> list[str]:
     """The printed comparison: one row per measure, base vs this tree with the ratio of medians."""
     b, a = samples["base"], samples["this tree"]
@@ -141,10 +146,10 @@ def table(samples: dict[str, dict[str, list[Any]]], base: str) -> list[str]:
         lines.append(f"{name:<26}{_one(b[key]):>10}{_one(a[key]):>12}{ratio:>8.2f}")
     wb, wa = statistics.median(b["wall"]), statistics.median(a["wall"])
     lines.append(f"{'wall s/point (median)':<26}{wb:>10.2f}{wa:>12.2f}{wa / wb:>8.2f}")
-    before, after = Counter(b["calls"][0]), Counter(a["calls"][0])
-    for call in sorted(set(before) | set(after)):
-        if before[call] != after[call]:
-            lines.append(f"  differs: {call}: {before[call]} -> {after[call]}")
+    for call in sorted({c for side in (b, a) for per_point in side["calls"] for c in per_point}):
+        seen_b, seen_a = _seen(b["calls"], call), _seen(a["calls"], call)
+        if seen_b != seen_a:
+            lines.append(f"  differs: {call}: {seen_b} -> {seen_a}")
     return lines
 
 

@@ -31,24 +31,27 @@ def test_a_call_is_its_method_and_path_with_ids_elided() -> None:
 
 
 def test_table_shows_exact_counts_ratios_and_the_calls_that_differ() -> None:
-    def side(requests: list[int], wall: list[float], calls: dict[str, int]) -> dict[str, list[object]]:
+    def side(requests: list[int], wall: list[float], calls: list[dict[str, int]]) -> dict[str, list[object]]:
         n = len(requests)
         return {"requests": requests, "task_runs": [7] * n, "artifacts": [2] * n, "logs": [1, 2, 1][:n],
-                "wall": wall, "calls": [calls] * n}
+                "wall": wall, "calls": calls}
 
-    samples = {
-        "base": side([40, 40, 40], [2.0, 4.0, 3.0], {"GET /a": 2, "POST /b": 1}),
-        "this tree": side([41, 41, 41], [3.0, 3.3, 9.0], {"GET /a": 3, "POST /b": 1}),
+    same = {"POST /b": 1}
+    samples = {  # GET /a: once more per point in this tree; POST /c: retried in one base point, absent here
+        "base": side([40, 40, 41], [2.0, 4.0, 3.0],
+                     [{"GET /a": 2, **same}] * 2 + [{"GET /a": 2, "POST /c": 1, **same}]),
+        "this tree": side([41, 41, 41], [3.0, 3.3, 9.0], [{"GET /a": 3, **same}] * 3),
     }
     assert point_cost.table(samples, "11ae352") == [  # type: ignore[arg-type]
         "base 11ae352 vs this tree; 3 points each",
         "measure                         base   this tree   ratio",
-        "api requests/point                40          41    1.02",
+        "api requests/point             40-41          41    1.02",
         "task runs/point                    7           7    1.00",
         "artifacts/point                    2           2    1.00",
         "log posts/point                  1-2         1-2    1.00",
         "wall s/point (median)           3.00        3.30    1.10",
         "  differs: GET /a: 2 -> 3",
+        "  differs: POST /c: 0-1 -> 0",
     ]
 
 
