@@ -24,7 +24,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,13 +62,39 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def _run_probe(checkout: Path, dispatches: int, points: int) -> dict[str, list[float]]:
+def run_probe(checkout: Path, script: Path, args: list[str]) -> Any:
+    """`script --probe ARGS` in a fresh interpreter whose imports resolve in `checkout`; the JSON of
+    its last stdout line. (Also used by `bench.point_cost`.)"""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    done = subprocess.run([sys.executable, __file__, "--probe", str(dispatches), str(points)], cwd=checkout,
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(script), "--probe", *args], cwd=checkout, env=env,
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"probe failed in {checkout}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def base_worktree(rev: str) -> Iterator[Path]:
+    """`rev` checked out detached into a temporary `git worktree`, removed at the end."""
+    base_dir = Path(tempfile.mkdtemp(prefix="pe-bench-base-"))
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base_dir), rev], check=True)
+    try:
+        yield base_dir
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base_dir)], check=True)
+
+
+def alternate(
+    rev: str, rounds: int, one_round: Callable[[Path], dict[str, list[Any]]]
+) -> dict[str, dict[str, list[Any]]]:
+    """`one_round(checkout)` for the base then this tree, `rounds` times; samples per label and key."""
+    samples: dict[str, dict[str, list[Any]]] = {"base": {}, "this tree": {}}
+    with base_worktree(rev) as base_dir:
+        for _ in range(rounds):
+            for label, checkout in (("base", base_dir), ("this tree", REPO)):
+                for key, values in one_round(checkout).items():
+                    samples[label].setdefault(key, []).extend(values)
+    return samples
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,17 +105,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="dispatches per round and checkout (at most 64: all admitted)")
     parser.add_argument("--points", type=int, default=5, help="no-op points per round and checkout")
     args = parser.parse_args(argv or [])
-    base_dir = Path(tempfile.mkdtemp(prefix="pe-bench-base-"))
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base_dir), args.base],
-                   check=True)
-    samples: dict[str, dict[str, list[float]]] = {"base": {}, "this tree": {}}
-    try:
-        for _ in range(args.rounds):
-            for label, checkout in (("base", base_dir), ("this tree", REPO)):
-                for key, values in _run_probe(checkout, args.dispatches, args.points).items():
-                    samples[label].setdefault(key, []).extend(values)
-    finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base_dir)], check=True)
+    script = Path(__file__)
+    samples = alternate(args.base, args.rounds,
+                        lambda co: run_probe(co, script, [str(args.dispatches), str(args.points)]))
     print(f"base {args.base} vs this tree; {args.rounds} alternating rounds")
     print(f"{'measure':<34}{'n':>6}{'base':>12}{'this tree':>12}{'ratio':>8}")
     rows = (("dispatch p50 (ms)", "dispatch", 0.5, 1000), ("dispatch p99 (ms)", "dispatch", 0.99, 1000),
