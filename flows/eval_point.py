@@ -11,7 +11,8 @@ Outcomes: Completed (measured); Completed named "Skipped" with the reason as mes
 reward_unavailable, ...; `timed_out` once admitted past the suite block's `point_timeout_seconds`);
 Failed on an unexpected error, after recording `skipped_crashed` at the step — also a source
 outside the staging block's source roots (`SourceOutsideRoots`, naming `source.path` or
-`source.hf_base`), refused before any file of it is opened. The snapshot is
+`source.hf_base` and the roots), refused before any file of it is opened; its state message and
+failed event are that message alone. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
 A point measures the suite's datasets due at its step (`every_n_steps`; all at the final point;
@@ -29,7 +30,7 @@ from typing import Literal
 from prefect import flow, get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.runtime import flow_run as current
-from prefect.states import State
+from prefect.states import Failed, State
 from prefect.utilities.timeout import timeout
 
 from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
@@ -37,7 +38,7 @@ from blocks._meta import load_block
 from pinned_eval.points import PointRequest, Posture, SnapshotSource
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
-from pinned_eval.source_roots import confine_source
+from pinned_eval.source_roots import SourceOutsideRoots, confine_source
 from pinned_eval.suite import NO_DATASET_DUE
 from tasks.admission import admitted
 from tasks.generate import load_datasets
@@ -141,6 +142,9 @@ def eval_point(
             )
     except EvalSkipped as skip:
         return record_skipped(run, step, skip, sinks_block)
+    except SourceOutsideRoots as exc:  # the request's fault: failed, in the message's own words (no class name)
+        record_failed(run, step, str(exc), sinks_block)
+        return Failed(message=str(exc))
     except Exception as exc:
         record_failed(run, step, repr(exc), sinks_block)
         raise

@@ -10,8 +10,9 @@ Contract of `confine_source(source, roots)`:
   points outside is outside;
 - an `s3://` (or `s3a://`) URL must lie under an `s3://bucket/prefix` root, on a `/` boundary,
   with no empty, `.` or `..` segment; any other scheme is refused;
-- a refusal raises `SourceOutsideRoots` naming the field; nothing is opened or read (resolving
-  a path only lists links), so a refused source is never unpickled.
+- a refusal raises `SourceOutsideRoots` whose message is the user's words: the field, the path,
+  the roots and the `source_root` key that adds one (no class name); nothing is opened or read
+  (resolving a path only lists links), so a refused source is never unpickled.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def check_within_roots(path: str, roots: Sequence[str], field: str) -> None:
     if not ok:
         shown = "" if resolved == path else f" (resolves to {resolved!r})"
         raise SourceOutsideRoots(
-            f"{field}: {path!r}{shown} is outside the staging block's source roots {list(roots)}; "
-            "an operator declares where sources may live (StagingBlock.source_roots)"
+            f"{field}: {path!r}{shown} is outside the source roots of the point's staging block "
+            f"({', '.join(roots)}); nothing was read. Put the snapshot under one of them, or add a root "
+            "with the staging block's `source_root` key (pinned-eval.yaml, `pinned-eval block apply`)"
         )
 
 

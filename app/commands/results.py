@@ -154,26 +154,34 @@ def last_two_compared(history: RunHistory, sinks: str) -> str:
     from pinned_eval.results.store import SAMPLES
 
     store = _store(load_block(SinksBlock, sinks))
-    steps = [p.step for p in history.points if p.outcome == "measured" and store.exists(history.run, p.step, SAMPLES)]
-    if len(steps) < 2:
-        return ""
-    a, b = steps[-2:]
-    flips = compare_samples(store.read(history.run, a, SAMPLES), store.read(history.run, b, SAMPLES))
+    try:  # a stored file refused (another point's, not this user's alone): one line, like `compare`
+        steps = [p.step for p in history.points
+                 if p.outcome == "measured" and store.exists(history.run, p.step, SAMPLES)]
+        if len(steps) < 2:
+            return ""
+        a, b = steps[-2:]
+        flips = compare_samples(store.read(history.run, a, SAMPLES), store.read(history.run, b, SAMPLES))
+    except (FileNotFoundError, ValueError) as exc:  # ResultsKeyError, UntrustedPathError are ValueErrors
+        fail(f"--sinks: {exc}")
     return comparison_html(a, b, flips)
 
 
 def demo_summary(run: str, step_a: int, step_b: int, sinks: str = "default", limit: int = 3) -> list[str]:
     """What the demo prints at its end (call with the Prefect API configured): the flips between
     two measured steps (at most `limit` listed each way) and where step B's samples file is;
-    [] when the sinks block keeps no samples or a step has none."""
+    [] when the sinks block keeps no samples or a step has none; one line "samples not compared: ..."
+    when the store refuses a file (another point's, or a path not this user's alone)."""
     from blocks import SinksBlock
     from blocks._meta import load_block
     from pinned_eval.results.compare import compare_samples, format_flips
     from pinned_eval.results.store import SAMPLES
 
     store = load_block(SinksBlock, sinks).results_store()
-    if store is None or not (store.exists(run, step_a, SAMPLES) and store.exists(run, step_b, SAMPLES)):
-        return []
-    flips = compare_samples(store.read(run, step_a, SAMPLES), store.read(run, step_b, SAMPLES))
+    try:
+        if store is None or not (store.exists(run, step_a, SAMPLES) and store.exists(run, step_b, SAMPLES)):
+            return []
+        flips = compare_samples(store.read(run, step_a, SAMPLES), store.read(run, step_b, SAMPLES))
+    except (FileNotFoundError, ValueError) as exc:  # ResultsKeyError, UntrustedPathError are ValueErrors
+        return [f"samples not compared: {exc}"]
     return [*format_flips(run, step_a, step_b, flips, limit=limit).splitlines(),
             f"samples of step {step_b}: {store.url(run, step_b, SAMPLES)}"]

@@ -124,6 +124,10 @@ def router_spec(
     cmd += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     cmd += ["--health-check-interval-secs", str(health_check_interval_s), "--worker-startup-check-interval", "1"]
     cmd += ["--health-check-timeout-secs", "30"]  # SGLang's /health generates a token: slow under load
+    # The router's circuit breaker counts every non-2xx reply as the worker's failure: ten 400s for
+    # over-long prompts (the request's fault) opened it and the next point's pin waited out its 60 s
+    # with 503s. Liveness is the health checker's (and the fleet client's revive), not the breaker's.
+    cmd += ["--disable-circuit-breaker"]
     cmd += ["--log-level", "warn"]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]

@@ -280,7 +280,7 @@ class Staging:
             raise SnapshotIncompleteError(remote)
         if is_local(fs):
             return Path(fs_path)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(str(self.cache_dir), "snapshot cache")  # 0700: others may not read or swap weights
         self._clean_abandoned_tmp()
         marker = fs.cat_file(join(fs, fs_path, MARKER))
         digest = hashlib.sha256(url.encode()).hexdigest()[:12]

@@ -3,7 +3,8 @@
 `block apply` (samples kept: `results_root`) and `suite miles --save` → `tiny-model` (marked
 complete) → a source outside the staging roots refused before sending → a point requested with a
 relative `--source` and measured on the session's CPU fleet (attached by URL with key files) by the
-deployed worker → `status` → `compare` → `rescore`. Plus the block verbs against
+deployed worker → `status` → `compare` → `rescore` (the walk's last step, a point measured through
+`pinned-eval worker` and then stopped as a user would, is `tests/e2e/test_worker_stop.py`). Plus the block verbs against
 the real server: save, overwrite refusal, show (secrets masked), list, and the missing-block note.
 """
 

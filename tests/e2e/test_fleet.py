@@ -220,3 +220,28 @@ async def test_router_membership_add_and_remove(fleet: LaunchedFleet, snapshots:
         with pytest.raises(RouterError, match="not listed"):
             await router.add_worker(f"http://127.0.0.1:{free_port()}", timeout_s=1.5)
         assert sorted(w.url for w in await router.list_workers()) == sorted(fleet.engine_urls)
+
+
+async def test_engine_400s_for_over_long_requests_leave_the_router_routing_and_the_next_pin_clean(
+    fleet: LaunchedFleet, snapshots: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    """An engine's 400 is the request's fault: eleven per engine (past sglang-router's default circuit
+    breaker threshold of ten) must not take the engines out of the router's rotation, so the next
+    point's pin succeeds on its first attempt and the router answers its very next 1-token generate."""
+    ctx = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    over_long = {"text": "1+1=", "sampling_params": {"max_new_tokens": ctx, "temperature": 0.0}}
+    statuses = [
+        httpx.post(f"{fleet.router_url}/generate", json=over_long, headers=_auth(fleet), timeout=60).status_code
+        for _ in range(11 * len(fleet.engine_urls))
+    ]
+    assert statuses == [400] * (11 * len(fleet.engine_urls))
+    probe = {"text": "1+1=", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    after = httpx.post(f"{fleet.router_url}/generate", json=probe, headers=_auth(fleet), timeout=60)
+    assert after.status_code == 200, after.text
+    async with fleet.client(CONFIG) as client:
+        workers = await client.router.list_workers()
+        assert sorted((w.url, w.is_healthy) for w in workers) == sorted((u, True) for u in fleet.engine_urls)
+        result = await client.pin(snapshots["B"], "6")
+        out = await client.generate("2+2=", sampling_params=GREEDY, rid="after-400s")
+    assert result.attempts == 1 and result.revived == []
+    assert out.meta_info.weight_version == "6"

@@ -242,3 +242,44 @@ def test_compare_and_rescore_refuse_what_they_cannot_read(prefect_server: str, t
     assert code == 2 and "has no dataset elsewhere" in out
     code, out = cli("rescore", "exp", "3", "--suite", "small-suite", "--sinks", "a-results-store")
     assert code == 1 and "no generations.parquet for exp step 3" in out
+
+
+@pytest.mark.parametrize("refusal", ["another_points_file", "world_writable_step_dir"])
+def test_report_and_demo_summary_turn_a_refused_results_file_into_one_line(
+    prefect_server: str, tmp_path: Path, refusal: str
+) -> None:
+    """`report --sinks` (`last_two_compared`) and the demo's summary read the store like `compare`:
+    a file written for another point (`ResultsKeyError`) or a step directory others may write
+    (`UntrustedPathError`) is one line naming it, never a traceback."""
+    import os
+    import shutil
+
+    from app.commands._cli import CliError
+    from app.commands.results import last_two_compared
+    from app.history import PointHistory, RunHistory
+    from pinned_eval.results.tables import generation_row, samples_table
+
+    name = f"refused-{uuid.uuid4().hex[:6]}"
+    sinks = SinksBlock(jsonl_path=str(tmp_path / "m.jsonl"), results_root=str(tmp_path / "results"))
+    sinks.save(name)
+    store = sinks.results_store()
+    assert store is not None
+    gen = {"dataset": "d", "prompt_index": 0, "sample_index": 0, "prompt": "1+1=", "label": "2",
+           "metadata": {}, "response": "2", "response_len": 1, "finish_reason": "stop", "weight_version": "1"}
+    for step in (1, 2):
+        store.write("exp", step, SAMPLES, samples_table([{**generation_row(gen), "reward": 1.0}], key=None))
+    one, two = Path(store._dir("exp", 1)), Path(store._dir("exp", 2))
+    if refusal == "another_points_file":
+        shutil.copyfile(two / SAMPLES, one / SAMPLES)  # step 2's samples where step 1's belong
+        expected = f"{one / SAMPLES} was not written for exp step 1 (it names "
+    else:
+        os.chmod(two, 0o777)  # a neighbour could swap the file: the store refuses the whole path
+        expected = f"results file {str(two / SAMPLES)!r} refused"
+    history = RunHistory(run="exp", points=[PointHistory(run="exp", step=s, outcome="measured") for s in (1, 2)])
+
+    with pytest.raises(CliError) as info:
+        last_two_compared(history, name)
+    assert info.value.code == 1 and info.value.message.startswith(f"--sinks: {expected}"), info.value.message
+    assert "\n" not in info.value.message
+    [line] = demo_summary("exp", 1, 2, name)
+    assert line.startswith(f"samples not compared: {expected}"), line

@@ -10,6 +10,7 @@ is opened — proved with a Megatron `.metadata` pickle whose unpickling would c
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -72,7 +73,14 @@ def test_a_source_outside_the_roots_is_refused_naming_the_field_and_never_unpick
     }[case]
     state = eval_point(**env.params(5, source=source), return_state=True)
     assert state.is_failed(), state
-    assert f"SourceOutsideRoots: {field}: " in str(state.message), state.message
+    refused = source["hf_base"] if field == "source.hf_base" else source["path"]
+    shown = "" if os.path.realpath(refused) == refused else f" (resolves to {os.path.realpath(refused)!r})"
+    roots = ", ".join(StagingBlock.load(env.blocks["staging"]).all_source_roots())
+    assert state.message == (  # the user's words: the field, the path, the roots, the key that adds one
+        f"{field}: {refused!r}{shown} is outside the source roots of the point's staging block ({roots}); "
+        "nothing was read. Put the snapshot under one of them, or add a root with the staging block's "
+        "`source_root` key (pinned-eval.yaml, `pinned-eval block apply`)"
+    ), state.message
     [row] = JsonlSink(env.jsonl).read(env.run)  # recorded at its step, like any failed point
     assert (row.step, row.state, row.reason, row.metrics["eval/skipped_crashed"]) == (5, "failed", "crashed", 1)
     assert not marker.exists(), "a pickle outside the source roots was loaded"
@@ -138,7 +146,9 @@ def test_events_naming_a_class_path_or_a_foreign_source_run_nothing(
     assert done[1].state.is_failed() and "backend_block" in str(done[1].state.message), done[1].state.message
     assert "backend" not in done[1].parameters and "backend_options" not in done[1].parameters
     assert done[2].state.is_failed(), done[2].state
-    assert "SourceOutsideRoots: source.path: " in str(done[2].state.message), done[2].state.message
+    assert str(done[2].state.message).startswith(f"source.path: {str(planted)!r} is outside the source roots of "
+                                                 "the point's staging block ("), done[2].state.message
+    assert "SourceOutsideRoots" not in str(done[2].state.message)
     assert not marker.exists(), "the payload's class was built by the worker"
     assert not pickled.exists(), "the payload's pickle was loaded by the worker"
 

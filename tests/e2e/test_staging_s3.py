@@ -256,3 +256,35 @@ def test_cli_on_s3_with_aws_env(s3_server: S3Server, monkeypatch: pytest.MonkeyP
     fs.rm_file(f"{p}/{MARKER}")
     r = runner.invoke(app, ["snapshot", "check", url, *ep])
     assert r.exit_code == 1 and "missing_marker" in r.stderr
+
+
+def test_the_s3_snapshot_cache_is_created_private_and_refused_below_a_directory_others_may_write(
+    s3_server: S3Server, tmp_path: Path  # noqa: F811
+) -> None:
+    """The cache directories `materialize` creates are 0700 whatever the umask; a cache below a
+    directory others may write (not sticky) is refused before anything is downloaded."""
+    import os
+    import stat
+
+    from pinned_eval.trusted_paths import UntrustedPathError
+
+    bucket, opts = s3_server.make_bucket(), s3_server.storage_options
+    cache = tmp_path / "home" / "snapshot-cache"
+    staging = Staging(f"s3://{bucket}/stage", storage_options=opts, keep_snapshots=2, cache_dir=cache)
+    url = staging.path_for("exp1", 4)
+    write_snapshot(named_tensors(seed=4), url, storage_options=opts)
+    old = os.umask(0)  # a permissive umask: a plain mkdir would make these 0777
+    try:
+        local = staging.materialize(url)
+    finally:
+        os.umask(old)
+    assert local.parent == cache and check_snapshot(str(local)).complete
+    assert [stat.S_IMODE(os.stat(d).st_mode) for d in (tmp_path / "home", cache)] == [0o700, 0o700]
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # a neighbour could replace the cache's weights
+    exposed = Staging(f"s3://{bucket}/stage", storage_options=opts, keep_snapshots=2, cache_dir=shared / "cache")
+    with pytest.raises(UntrustedPathError, match=r"^snapshot cache .* refused"):
+        exposed.materialize(url)
+    assert list(shared.iterdir()) == []

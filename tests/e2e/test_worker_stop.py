@@ -27,11 +27,12 @@ from pinned_eval.external import EvalInput
 from pinned_eval.local_socket import answers
 from pinned_eval.polling import poll_until
 from pinned_eval.processes import pid_alive
+from pinned_eval.sinks import JsonlSink
 from tests.conftest import free_port
 from tests.deploykit import REPO, prefect_cli
 from tests.eventkit import related_flow_runs, settled_events
 from tests.hosted_backends import read_lifecycle
-from tests.pointkit import SMALL_SUITE, save_point_blocks, write_step_snapshot
+from tests.pointkit import SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 BACKEND = "tests.hosted_backends:LifecycleBackend"
@@ -197,3 +198,32 @@ def test_a_point_in_flight_when_the_worker_stops_ends_crashed_with_its_snapshot_
     [alert] = settled_events(EVENT_FAILED, point_resource(env.run, 5)["prefect.resource.id"])  # once
     assert alert["payload"]["reason"] == "crashed" and f"prefect.flow-run.{flow_run_id}" in related_flow_runs(alert)
     assert [e["event"] for e in read_lifecycle(lifecycle)] == ["init", "pin", "cancelled", "dispose"]
+
+
+def test_a_point_measured_through_the_cli_worker_then_a_user_stop_leaves_nothing_running(
+    worker_cli: WorkerCli, point_env: PointEnv, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The new-user walk's last steps: one point measured on the fleet through `pinned-eval worker`
+    (its own pool: no other worker can take it), then the user's Ctrl-C-style stop: exit 0, and every
+    process it started (by PID) gone, nothing polling the pool."""
+    snap = write_step_snapshot(tiny_model, str(tmp_path / "ckpt" / "step_3"))
+    params = point_env.params(3, source={"kind": "hf", "path": snap})
+    with get_client(sync_client=True) as c:
+        flow_run_id = c.create_flow_run_from_deployment(_deployment_on(worker_cli.pool), parameters=params).id
+        state = poll_until(lambda: ((s := c.read_flow_run(flow_run_id).state) and s.is_final() and s) or None,
+                           timeout_s=240, interval_s=0.5,
+                           what=lambda: f"the point to end; CLI log:\n{worker_cli.log.read_text()}")
+    assert state.type.value == "COMPLETED", f"{state}; CLI log:\n{worker_cli.log.read_text()}"
+    rows = [r for r in JsonlSink(point_env.jsonl).read(point_env.run) if r.step == 3]
+    assert rows and {(r.state, r.weight_version) for r in rows} == {("measured", "3")}
+    started = worker_cli.descendants()
+    st = worker_cli.stack.state()
+    assert {st.worker_pid, st.warm_pid, st.backend_host_pid} <= {p.pid for p in started}
+
+    os.kill(worker_cli.proc.pid, signal.SIGINT)  # Ctrl-C
+    assert worker_cli.proc.wait(timeout=90) == 0, worker_cli.log.read_text()
+
+    assert _gone(started) == [], "every process the CLI started is stopped before it exits"
+    assert _pollers(worker_cli.pool) == []
+    after = worker_cli.stack.state()
+    assert (after.worker_pid, after.warm_pid, after.backend_host_pid) == (None, None, None)
