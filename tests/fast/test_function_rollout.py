@@ -40,9 +40,30 @@ async def _run(function: str, rollout: FunctionRollout, metadata: dict | None = 
             return [await produce(ds, r, 0) for r in rows]
 
 
+def _live_children() -> set[int]:
+    out = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                out.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before() -> None:
+    """What this process already ran before the test (a session's servers, other tests' children)."""
+    _BEFORE.clear()
+    _BEFORE.update(_live_children())
+
+
 def _runner_pids() -> set[int]:
-    me = psutil.Process()
-    return {c.pid for c in me.children(recursive=True)}
+    """Processes the test started that still run: the runner and anything it spawned."""
+    return _live_children() - _BEFORE
 
 
 async def test_old_form_function_runs_with_miles_args_and_dataset_reward() -> None:
