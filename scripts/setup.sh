@@ -10,4 +10,4 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "torch==2.13.0"
 fi
-"$VPY" -m pip install -q -e ".[dev,megatron,wandb,report]"
+"$VPY" -m pip install -q -e ".[dev,megatron,wandb,report,harness,mlflow,tensorboard,prometheus,aws]"
