@@ -84,6 +84,8 @@ MILES_KEYS = {
     # the point gateway's limits (pinned-eval extension keys, docs/agentic.md)
     **{k: k for k in ("agent_max_requests", "agent_max_tokens", "agent_max_turns", "agent_max_tokens_per_sample",
                       "agent_sample_wall_s", "agent_sample_timeout_s")},
+    # lm-eval tasks as a dataset (pinned-eval extension keys, docs/harnesses.md)
+    **{k: k for k in ("kind", "tasks", "task_dir", "lm_eval_model", "num_fewshot")},
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
 UNSUPPORTED_UNLESS_EMPTY = ("stop_token_ids", "min_new_tokens")

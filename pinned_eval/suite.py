@@ -34,10 +34,14 @@ from pinned_eval.datasets.spec import (
     BUILTIN_DIR,
     BUILTIN_PREFIX,
     DATASET_NAME_PATTERN,
+    DatasetKind,
+    LmEvalModel,
+    LmEvalTaskName,
     ResolvedDataset,
     RewardName,
     ToolCallParser,
 )
+from pinned_eval.harness.extra import require_lm_eval
 from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
 from pinned_eval.plugins import ImportPath, is_import_path
 from pinned_eval.scoring.remote import RemoteRewardConfig
@@ -153,17 +157,46 @@ class SamplingDefaults(_SamplingFields):
 
 
 class DatasetSpec(_SamplingFields):
-    """One eval dataset; unset fields inherit from the suite."""
+    """One eval dataset; unset fields inherit from the suite. `kind: lm_eval` names lm-eval tasks
+    instead of a file (`pinned_eval.harness`, docs/harnesses.md)."""
 
     name: str = Field(pattern=DATASET_NAME_PATTERN, description="Slug used in metric keys: eval/<name>.")
-    path: str = Field(
-        min_length=1, description="JSONL or Parquet file: absolute, relative, or builtin:<file>."
+    path: str | None = Field(
+        default=None, min_length=1,
+        description="JSONL or Parquet file: absolute, relative, or builtin:<file> (required unless kind: lm_eval).",
     )
     every_n_steps: int | None = Field(
         default=None,
         ge=1,
         description="Measure at steps that are multiples of N (and the final point); None: every point.",
     )
+    kind: DatasetKind = Field(default="rows", description="rows: a JSONL/Parquet file; lm_eval: lm-eval tasks.")
+    tasks: tuple[LmEvalTaskName, ...] | None = Field(default=None, min_length=1, description="lm-eval task names.")
+    task_dir: str | None = Field(
+        default=None, min_length=1, description="Directory of local lm-eval task YAMLs (only these are looked up)."
+    )
+    lm_eval_model: LmEvalModel = Field(
+        default="local-completions", description="lm-eval's OpenAI-compatible model (local-chat-completions: generation only)."
+    )
+    num_fewshot: int | None = Field(default=None, ge=0, description="lm-eval --num_fewshot; None: the task's.")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> DatasetSpec:
+        if self.kind == "rows":
+            if self.path is None:
+                raise ValueError("path: required (a JSONL or Parquet file)")
+            extra = [f for f in ("tasks", "task_dir", "num_fewshot") if getattr(self, f) is not None]
+            if extra:
+                raise ValueError(f"{extra[0]}: only for kind: lm_eval")
+            return self
+        if self.tasks is None:
+            raise ValueError("tasks: required for kind: lm_eval (lm-eval task names)")
+        if self.path is not None:
+            raise ValueError("path: not used by kind: lm_eval (local task YAMLs go in task_dir)")
+        if self.generate_function is not None:
+            raise ValueError("generate_function: not used by kind: lm_eval (lm-eval produces its own requests)")
+        require_lm_eval(f"dataset {self.name!r} (kind: lm_eval)")
+        return self
 
     def due(self, step: int, *, final: bool = False) -> bool:
         """Whether this dataset is measured at `step` (always at the final point)."""
@@ -262,8 +295,9 @@ class EvalSuite(BaseModel):
 
     @model_validator(mode="after")
     def _one_gateway(self) -> EvalSuite:
-        """One gateway per point serves every agentic dataset: its limits must agree across them."""
-        agentic = [ds for ds in self.resolved() if ds.generate_function is not None]
+        """Every gateway of a point (agentic datasets, lm-eval tasks) has the suite's limits: they
+        must agree across those datasets."""
+        agentic = [ds for ds in self.resolved() if ds.generate_function is not None or ds.kind == "lm_eval"]
         for field in GATEWAY_FIELDS:
             values = {getattr(ds, field) for ds in agentic}
             if len(values) > 1:
@@ -291,10 +325,12 @@ class EvalSuite(BaseModel):
                 if value is None:
                     value = getattr(self.fallbacks, field)
                 values[field] = value
+            lm_eval = {"kind": ds.kind, "tasks": ds.tasks or (), "lm_eval_model": ds.lm_eval_model,
+                       "num_fewshot": ds.num_fewshot,
+                       "task_dir": self._resolve_path(ds.task_dir) if ds.task_dir is not None else None}
+            path = self._resolve_path(ds.path) if ds.path is not None else None
             out.append(
-                ResolvedDataset(
-                    name=ds.name, path=self._resolve_path(ds.path), every_n_steps=ds.every_n_steps, **values
-                )
+                ResolvedDataset(name=ds.name, path=path, every_n_steps=ds.every_n_steps, **lm_eval, **values)
             )
         return out
 
@@ -379,7 +415,8 @@ class EvalSuite(BaseModel):
             reward = check_reward_name(f"custom:{custom_rm_path}")
             datasets = tuple(ds.model_copy(update={"reward": reward}) for ds in datasets)
         elif "reward" not in cfg.defaults:
-            missing = [w for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True) if d.get("reward") is None]
+            missing = [w for w, d in zip(cfg.dataset_paths, cfg.datasets, strict=True)
+                       if d.get("reward") is None and d.get("kind") != "lm_eval"]  # lm-eval scores its own
             if missing and rm_type is None:
                 raise ValueError(
                     f"{missing[0]}.rm_type: required (no rm_type here, none under {cfg.defaults_path} and no "

@@ -6,7 +6,8 @@ metadata; `remote_rm` posts to the suite's scoring service, and a service that g
 after its retries (`RemoteRewardError`) skips the point as `reward_unavailable` — never a 0
 score. Scoring writes nothing: it returns the metrics and the point's samples, which the log task
 hands to the exporters (the samples artifact, the samples file) after the ledger.
-Weight-version metrics are computed against the pinned version, so `weight_version/mean == step`
+An lm-eval dataset also gets lm-eval's own metrics and stderr per task, `eval/<task>/<metric>`
+(`pinned_eval.rollout.lm_eval.lm_eval_metrics`). Weight-version metrics are computed against the pinned version, so `weight_version/mean == step`
 and `mixed_version_ratio == 0` prove the pin.
 """
 
@@ -19,6 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from pinned_eval.external import DatasetResult
+from pinned_eval.rollout.lm_eval import lm_eval_metrics
 from pinned_eval.scoring.metrics import LENGTH_FINISH_REASON, ScoredSample, dataset_metrics
 from pinned_eval.scoring.remote import RewardItem, score_responses
 from pinned_eval.sinks import PointSamples
@@ -64,6 +66,8 @@ def score_generations(
             pass_threshold=suite.pass_threshold,
             expected_version=weight_version,
         )
+        if ds.kind == "lm_eval":  # lm-eval's own numbers and stderr, as it reported them
+            out[ds.name].update(lm_eval_metrics(gens))
     return out, samples, by_sample
 
 

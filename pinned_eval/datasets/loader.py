@@ -13,6 +13,9 @@ Contract:
   value (a list of OpenAI tool specs, or a JSON string of one) becomes `EvalSample.tools` and
   `metadata["tools"]`, as miles' `Dataset` does; the chat template then receives them
   (`pinned_eval.prompts`). A value that is not a list is a `DatasetError` naming the key.
+- a `kind: lm_eval` dataset has one row per lm-eval task (`prompt` the task name, `label` a
+  digest of the task directory's files and the lm-eval options, so the generation cache key
+  changes when a task file does); lm-eval loads the documents itself (`pinned_eval.harness`).
 - Any bad row raises `DatasetError` naming the file, the JSONL line (1-based) or Parquet row
   (0-based), and the offending key. Nothing is skipped silently. A JSONL line that is not UTF-8
   is such a bad row (named by line and byte column), as is JSON that is not.
@@ -20,6 +23,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -50,6 +54,10 @@ class EvalSample:
 
 def load_dataset(spec: ResolvedDataset) -> list[EvalSample]:
     """Read `spec.path` and return its prompts (at most `spec.max_prompts`)."""
+    if spec.kind == "lm_eval":
+        return _lm_eval_rows(spec)
+    if spec.path is None:
+        raise DatasetError(f"dataset {spec.name!r}: no path")
     path = Path(spec.path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found (dataset {spec.name!r})")
@@ -181,3 +189,16 @@ def _is_messages(value: Any) -> bool:
             for m in value
         )
     )
+
+
+def _lm_eval_rows(spec: ResolvedDataset) -> list[EvalSample]:
+    digest = hashlib.sha256(json.dumps([spec.lm_eval_model, spec.num_fewshot, spec.max_prompts]).encode())
+    if spec.task_dir is not None:
+        root = Path(spec.task_dir)
+        if not root.is_dir():
+            raise DatasetError(f"dataset {spec.name!r}: task_dir {root} is not a directory")
+        for file in sorted(p for p in root.rglob("*") if p.is_file()):
+            digest.update(str(file.relative_to(root)).encode() + b"\0")
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    label = digest.hexdigest()
+    return [EvalSample(index=i, prompt=task, label=label) for i, task in enumerate(spec.tasks)]

@@ -21,6 +21,10 @@ __all__ = [
     "BUILTIN_DIR",
     "BUILTIN_PREFIX",
     "DATASET_NAME_PATTERN",
+    "LM_EVAL_TASK_PATTERN",
+    "DatasetKind",
+    "LmEvalModel",
+    "LmEvalTaskName",
     "TOOL_CALL_PARSERS",
     "ResolvedDataset",
     "RewardName",
@@ -32,6 +36,11 @@ BUILTIN_DIR = Path(__file__).parent / "builtin"
 DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 
 RewardName = Annotated[str, AfterValidator(check_reward_name)]
+DatasetKind = Literal["rows", "lm_eval"]
+LmEvalModel = Literal["local-completions", "local-chat-completions"]
+# lm-eval task names become metric keys (eval/<task>/<metric>): a slug
+LM_EVAL_TASK_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
+LmEvalTaskName = Annotated[str, Field(pattern=LM_EVAL_TASK_PATTERN)]
 TOOL_CALL_PARSERS = ("qwen25", "hermes")
 ToolCallParser = Literal["qwen25", "hermes"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -43,7 +52,7 @@ class ResolvedDataset(BaseModel):
     model_config = _FROZEN
 
     name: str = Field(description="Slug used in metric keys.")
-    path: Path = Field(description="Absolute path of the JSONL or Parquet file.")
+    path: Path | None = Field(description="Absolute path of the JSONL or Parquet file (None: kind lm_eval).")
     input_key: str = Field(description="Row key of the prompt.")
     label_key: str = Field(description="Row key of the label.")
     n_samples_per_prompt: int = Field(ge=1, description="Responses per prompt.")
@@ -82,11 +91,19 @@ class ResolvedDataset(BaseModel):
     agent_max_tokens_per_sample: int | None = Field(default=None, ge=1, description="Tokens per agentic sample.")
     agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
     agent_sample_timeout_s: float = Field(default=600.0, gt=0, description="Seconds per generate-function call.")
+    # lm-eval tasks (pinned_eval.harness); defaults keep a rows dataset unchanged
+    kind: DatasetKind = Field(default="rows", description="rows: a JSONL/Parquet file; lm_eval: lm-eval tasks.")
+    tasks: tuple[str, ...] = Field(default=(), description="lm-eval task names (kind lm_eval).")
+    task_dir: Path | None = Field(default=None, description="Absolute directory of local lm-eval task YAMLs.")
+    lm_eval_model: LmEvalModel = Field(default="local-completions", description="lm-eval's API model.")
+    num_fewshot: int | None = Field(default=None, ge=0, description="lm-eval --num_fewshot; None: the task's.")
 
     @property
     def rollout(self) -> str:
-        """The rollout kind that produces this dataset's samples: `function` when it names a
-        generate function, else `single_turn`."""
+        """The rollout kind that produces this dataset's samples: `lm_eval` for lm-eval tasks,
+        `function` when it names a generate function, else `single_turn`."""
+        if self.kind == "lm_eval":
+            return "lm_eval"
         return "function" if self.generate_function is not None else "single_turn"
 
     def sampling_params(self) -> dict[str, Any]:

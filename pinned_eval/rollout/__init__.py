@@ -12,9 +12,11 @@ Contract:
   returned several samples, each an eval sample as in miles); whatever it started ends when the context exits. Every
   model call goes through `session.generate`;
 - `ROLLOUTS`: the registry, by name; `register_rollout` adds one explicitly, and a name
-  registered twice raises `ValueError`. `single_turn` is registered here;
-- `rollout_kind(ds)`: the kind a dataset uses, `ds.rollout`: `function` when it names a miles
-  generate function (`pinned_eval.rollout.function`), else `single_turn`;
+  registered twice raises `ValueError`. `single_turn`, `function` and `lm_eval`
+  (`pinned_eval.rollout.lm_eval`: lm-eval tasks) are registered here;
+- `rollout_kind(ds)`: the kind a dataset uses, `ds.rollout`: `lm_eval` for `kind: lm_eval`,
+  `function` when it names a miles generate function (`pinned_eval.rollout.function`), else
+  `single_turn`;
 - `run_rollouts(session, datasets, rows, on_start=, on_sample=)`: the one loop. It groups the
   datasets by kind and opens each kind once (all of them before the first request), then runs
   every (dataset, row, j), j < `n_samples_per_prompt`, concurrently (the session bounds requests
@@ -34,6 +36,7 @@ from typing import Protocol
 from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.rollout.function import FunctionRollout
+from pinned_eval.rollout.lm_eval import LmEvalRollout
 from pinned_eval.rollout.session import PointSession, SessionCounters
 from pinned_eval.rollout.single_turn import SingleTurn
 from pinned_eval.rollout.types import Produce, Sample, Usage
@@ -78,6 +81,7 @@ def register_rollout(rollout: Rollout) -> Rollout:
 
 register_rollout(SingleTurn())
 register_rollout(FunctionRollout())
+register_rollout(LmEvalRollout())
 
 
 def rollout_kind(ds: ResolvedDataset) -> str:

@@ -1,0 +1,153 @@
+"""lm-eval tasks as a dataset of a point, as a real Prefect flow run: 2 CPU engines (scripted
+answers for some generation prompts) behind the real sglang-router, the suite's dataset naming a
+local generation task and a local multiple-choice task (tests/data/lm_eval_tasks: YAML + JSONL).
+
+- the point's `eval/<task>/<metric>` and their stderr equal lm-eval's own run (`simple_evaluate`
+  in a fresh process, no pinned-eval code) against the same engines, exactly; every sample is at
+  the pinned version and lm-eval's per-sample record is in the point's samples file;
+- lm-eval's requests count in the point's budget: a used-up `agent_max_requests` is
+  `agent_budget`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from blocks import FleetBlock, SinksBlock, StagingBlock
+from flows.eval_point import eval_point
+from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
+from pinned_eval.fleet.keys import FleetKeys
+from pinned_eval.fleet.launcher import LaunchedFleet, launch_fleet
+from pinned_eval.results.store import SAMPLES
+from pinned_eval.sinks import JsonlSink
+from pinned_eval.suite import DatasetSpec, EvalSuite
+from tests.conftest import free_port
+from tests.pointkit import PointEnv, save_point_blocks, write_step_snapshot
+
+pytestmark = pytest.mark.e2e
+TASKS = Path(__file__).parent.parent / "data" / "lm_eval_tasks"
+GEN_ROWS = [json.loads(line) for line in (TASKS / "arith_gen.jsonl").read_text().splitlines()]
+SCRIPTED = GEN_ROWS[:5]  # the engines answer these questions right (greedy decoding answers none)
+RULES = [{"prompt_contains": f"Q: {r['question']}\nA:", "completion": r["answer"]} for r in SCRIPTED]
+
+# lm-eval's own run against the router, without pinned-eval: the same model and tasks
+DIRECT = """
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+req = json.loads(sys.argv[1])
+out = simple_evaluate(model="local-completions", model_args=req["model_args"], tasks=req["tasks"],
+                      task_manager=TaskManager(include_path=".", include_defaults=False), log_samples=False)
+print(json.dumps(out["results"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny_model import make_tiny_model
+    from tests.pointkit import SESSION_ROOTS
+
+    SESSION_ROOTS.append(str(tmp_path_factory.getbasetemp()))
+    return make_tiny_model(tmp_path_factory.mktemp("lm") / "m", arch="llama", seed=0, chat_template="chatml")
+
+
+@pytest.fixture(scope="module")
+def fleet(model: Path) -> Iterator[LaunchedFleet]:
+    rules = model.parent / "rules.json"
+    rules.write_text(json.dumps(RULES))
+    keys = FleetKeys.resolve()
+    specs = [
+        engine_spec(CpuEngineArgs(model_path=str(model), port=free_port(), weight_version="0", api_key=keys.api,
+                                  admin_api_key=keys.admin, scripted_completions=str(rules)),
+                    env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+        for _ in range(2)
+    ]
+    launched = launch_fleet(specs, log_dir=model.parent / "logs", state_file=model.parent / "fleet.json", keys=keys,
+                            ready_timeout_s=120)
+    try:
+        yield launched
+    finally:
+        launched.stop()
+
+
+def _env(tmp_path: Path, fleet: LaunchedFleet, suite: EvalSuite) -> PointEnv:
+    assert fleet.state_file is not None
+    block = FleetBlock(name=f"l{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(fleet.state_file))
+    env = save_point_blocks(tmp_path, block, suite=suite, keep_snapshots=0)
+    SinksBlock(jsonl_path=str(env.jsonl), results_root=str(tmp_path / "results")).save(env.blocks["sinks"],
+                                                                                       overwrite=True)
+    return env
+
+
+def _run(env: PointEnv, step: int, model: Path):  # type: ignore[no-untyped-def]
+    dest = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, step)
+    write_step_snapshot(model, dest)
+    return eval_point(**env.params(step, source={"kind": "staged", "path": dest}), return_state=True)
+
+
+def _suite(**limits: int) -> EvalSuite:
+    ds = DatasetSpec(name="bench", kind="lm_eval", tasks=("pe_arith_gen", "pe_colour_mc"), task_dir=str(TASKS),
+                     **limits)  # type: ignore[arg-type]
+    return EvalSuite(datasets=(ds,))
+
+
+def _direct(fleet: LaunchedFleet, model: Path) -> dict[str, dict[str, float]]:
+    assert fleet.router_url is not None and fleet.keys is not None
+    args = {"model": "default", "base_url": f"{fleet.router_url}/v1/completions", "num_concurrent": 2,
+            "max_retries": 1, "tokenizer_backend": "huggingface", "tokenizer": str(model), "tokenized_requests": False}
+    env = {**os.environ, "OPENAI_API_KEY": fleet.keys.api, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(model.parent / "hf-direct")}
+    done = subprocess.run([sys.executable, "-c", DIRECT, json.dumps({"model_args": args,
+                                                                     "tasks": ["pe_arith_gen", "pe_colour_mc"]})],
+                          cwd=TASKS, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_lm_eval_tasks_score_as_lm_eval_itself_on_the_pinned_fleet(
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
+) -> None:
+    env = _env(tmp_path, fleet, _suite())
+
+    state = _run(env, 7, model)
+
+    assert state.name == "Completed", state.message
+    (row,) = JsonlSink(env.jsonl).read(env.run)
+    got = {k: v for k, v in row.metrics.items() if k.startswith(("eval/pe_arith_gen/", "eval/pe_colour_mc/"))}
+    direct = _direct(fleet, model)  # after the point: the fleet still serves step 7's weights
+    assert got == {
+        "eval/pe_arith_gen/exact_match": direct["pe_arith_gen"]["exact_match,none"],
+        "eval/pe_arith_gen/exact_match_stderr": direct["pe_arith_gen"]["exact_match_stderr,none"],
+        "eval/pe_colour_mc/acc": direct["pe_colour_mc"]["acc,none"],
+        "eval/pe_colour_mc/acc_stderr": direct["pe_colour_mc"]["acc_stderr,none"],
+        "eval/pe_colour_mc/acc_norm": direct["pe_colour_mc"]["acc_norm,none"],
+        "eval/pe_colour_mc/acc_norm_stderr": direct["pe_colour_mc"]["acc_norm_stderr,none"],
+    }
+    right = sum(r["question"] in {s["question"] for s in SCRIPTED} for r in GEN_ROWS)
+    assert got["eval/pe_arith_gen/exact_match"] == right / len(GEN_ROWS)
+    assert (row.state, row.weight_version, row.metrics["eval/bench/weight_version/mixed_version_ratio"]) == (
+        "measured", "7", 0.0)
+    samples = SinksBlock.load(env.blocks["sinks"]).results_store().read(env.run, 7, SAMPLES).to_pylist()
+    assert len(samples) == 48 and {s["weight_version"] for s in samples} == {"7"}
+    first = json.loads(samples[0]["metadata"])
+    assert (first["lm_eval_task"], first["lm_eval"]["doc"], first["lm_eval"]["target"]) == (
+        "pe_arith_gen", GEN_ROWS[0], SCRIPTED[0]["answer"])
+    assert (samples[0]["response"], samples[0]["reward"]) == (SCRIPTED[0]["answer"], 1.0)
+    mc = json.loads(samples[24]["metadata"])["lm_eval"]
+    assert mc["doc_id"] == 0 and len(mc["filtered_resps"]) == 4  # four choices' loglikelihoods
+
+
+def test_lm_eval_requests_count_in_the_point_budget(
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
+) -> None:
+    state = _run(_env(tmp_path, fleet, _suite(agent_max_requests=5)), 8, model)
+    assert state.name == "Skipped", state.message
+    assert state.message.startswith("agent_budget: the point's max_requests (5) is used up"), state.message
