@@ -94,8 +94,9 @@ def _session(serving: str = "7", lora: str | None = None) -> RecordingSession:
 # ---------------------------------------------------------------------------- the contract, per kind
 
 # kinds that produce these (plain) datasets over the recording session; the `function` kind runs
-# user code against a real gateway: tests/fast/test_function_rollout.py, tests/e2e/test_function_fleet.py
-SEAM_KINDS = sorted(k for k in ROLLOUTS if k != "function")
+# user code against a real gateway: tests/fast/test_function_rollout.py, tests/e2e/test_function_fleet.py;
+# the `lm_eval` kind runs lm-eval against one: tests/e2e/test_lm_eval_point.py
+SEAM_KINDS = sorted(k for k in ROLLOUTS if k not in ("function", "lm_eval"))
 
 
 @pytest.mark.parametrize("kind", SEAM_KINDS)
@@ -147,7 +148,7 @@ def test_registry_refuses_a_second_kind_of_the_same_name() -> None:
 
 def test_every_dataset_has_a_registered_kind() -> None:
     assert {rollout_kind(ds) for ds in DATASETS} == {"single_turn"}
-    assert set(ROLLOUTS) == {"single_turn", "function"}
+    assert set(ROLLOUTS) == {"single_turn", "function", "lm_eval"}
 
 
 # ---------------------------------------------------------------------------- single turn, the loop, the session

@@ -1,0 +1,113 @@
+"""lm-eval tasks as a dataset (`kind: lm_eval`): what a suite accepts and refuses when it loads,
+the dataset's rows (one per task, keyed by the task files), the metric keys, and the child's
+refusal of an unknown task. The measured point is tests/e2e/test_lm_eval_point.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pinned_eval.datasets.loader import load_dataset
+from pinned_eval.harness import extra
+from pinned_eval.rollout.lm_eval import lm_eval_metrics, model_args
+from pinned_eval.rollout.types import Sample
+from pinned_eval.suite import DatasetSpec, EvalSuite
+
+TASKS = Path(__file__).parent.parent / "data" / "lm_eval_tasks"
+
+
+def _lm(**kw: object) -> DatasetSpec:
+    return DatasetSpec(name="lm", kind="lm_eval", **kw)  # type: ignore[arg-type]
+
+
+def test_a_suite_needing_lm_eval_without_it_is_refused_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(extra, "find_spec", lambda name: None if name == "lm_eval" else object())
+    with pytest.raises(ValidationError) as err:
+        _lm(tasks=("pe_arith_gen",))
+    assert "dataset 'lm' (kind: lm_eval): needs lm-eval, not installed (missing ['lm_eval']): " \
+           "pip install 'pinned-eval[harness]'" in str(err.value)
+    yaml = "eval:\n  datasets:\n    - name: lm\n      kind: lm_eval\n      tasks: [pe_arith_gen]\n"
+    with pytest.raises(ValueError, match=r"pip install 'pinned-eval\[harness\]'"):
+        EvalSuite.from_miles_yaml(yaml)
+    DatasetSpec(name="rows", path="builtin:arith_add.jsonl")  # a suite without lm-eval datasets still loads
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kind": "rows"}, "path: required (a JSONL or Parquet file)"),
+    ({"kind": "rows", "path": "a.jsonl", "tasks": ("t",)}, "tasks: only for kind: lm_eval"),
+    ({"kind": "lm_eval"}, "tasks: required for kind: lm_eval (lm-eval task names)"),
+    ({"kind": "lm_eval", "tasks": ("t",), "path": "a.jsonl"}, "path: not used by kind: lm_eval"),
+    ({"kind": "lm_eval", "tasks": ("t",), "generate_function": "m.f"}, "generate_function: not used by kind: lm_eval"),
+    ({"kind": "lm_eval", "tasks": ("a/b",)}, "String should match pattern"),
+])
+def test_bad_lm_eval_fields_are_refused_by_name(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        DatasetSpec(name="d", **fields)  # type: ignore[arg-type]
+
+
+def test_a_miles_yaml_lm_eval_dataset_needs_no_rm_type_and_is_an_extension_key() -> None:
+    yaml = (f"eval:\n  datasets:\n    - name: lm\n      kind: lm_eval\n      tasks: [pe_arith_gen, pe_colour_mc]\n"
+            f"      task_dir: {TASKS}\n      num_fewshot: 0\n      max_prompts: 3\n")
+    (ds,) = EvalSuite.from_miles_yaml(yaml).resolved()
+    assert (ds.rollout, ds.tasks, ds.task_dir, ds.num_fewshot, ds.max_prompts, ds.path) == (
+        "lm_eval", ("pe_arith_gen", "pe_colour_mc"), TASKS, 0, 3, None)
+    with pytest.raises(ValueError, match=r"eval.datasets\[0\].kind: a pinned-eval extension miles does not read"):
+        EvalSuite.from_miles_yaml(yaml, strict_miles=True)
+
+
+def test_rows_are_one_per_task_keyed_by_the_task_files(tmp_path: Path) -> None:
+    for f in TASKS.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    suite = EvalSuite(datasets=(_lm(tasks=("pe_arith_gen", "pe_colour_mc"), task_dir=str(tmp_path)),))
+    rows = load_dataset(suite.resolved()[0])
+    assert [(r.index, r.prompt) for r in rows] == [(0, "pe_arith_gen"), (1, "pe_colour_mc")]
+    before = rows[0].label
+    with (tmp_path / "arith_gen.jsonl").open("a") as fh:
+        fh.write(json.dumps({"question": "What is 1+1?", "answer": "2"}) + "\n")
+    assert load_dataset(suite.resolved()[0])[0].label != before  # a changed data file: another cache key
+    missing = EvalSuite(datasets=(_lm(tasks=("t",), task_dir=str(tmp_path / "nope")),))
+    with pytest.raises(ValueError, match=r"dataset 'lm': task_dir .*nope is not a directory"):
+        load_dataset(missing.resolved()[0])
+
+
+def _sample(task: str, results: dict[str, object]) -> Sample:
+    return Sample(dataset="lm", prompt_index=0, sample_index=0, prompt="p", label="l", response="r",
+                  response_len=0, finish_reason=None, weight_version="1",
+                  metadata={"lm_eval_task": task, "lm_eval_results": results})
+
+
+def test_metric_keys_are_lm_evals_own_numbers_per_task() -> None:
+    samples = [
+        _sample("gen", {"alias": "gen", "sample_len": 24, "exact_match,none": 0.25, "exact_match_stderr,none": 0.1,
+                        "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": "N/A"}),
+        _sample("mc", {"acc,none": 1, "acc_stderr,none": 0.0}),
+    ]
+    assert lm_eval_metrics(samples) == {
+        "eval/gen/exact_match": 0.25, "eval/gen/exact_match_stderr": 0.1,
+        "eval/gen/exact_match/flexible-extract": 0.5, "eval/mc/acc": 1.0, "eval/mc/acc_stderr": 0.0}
+
+
+def test_model_args_point_lm_eval_at_the_gateway_with_text_prompts() -> None:
+    assert model_args("local-completions", "http://127.0.0.1:9", "/snap", 4) == {
+        "model": "default", "base_url": "http://127.0.0.1:9/v1/completions", "num_concurrent": 4, "max_retries": 1,
+        "tokenizer_backend": "huggingface", "tokenizer": "/snap", "tokenized_requests": False}
+    assert model_args("local-chat-completions", "http://g", None, 1) == {
+        "model": "default", "base_url": "http://g/v1/chat/completions", "num_concurrent": 1, "max_retries": 1}
+
+
+def test_the_child_refuses_an_unknown_task_before_any_request(tmp_path: Path) -> None:
+    req = {"model": "local-completions", "model_args": {"base_url": "http://127.0.0.1:9/v1/completions"},
+           "tasks": ["pe_arith_gen", "no_such_task"], "include_path": str(TASKS), "out": str(tmp_path / "o.json")}
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "pinned_eval.harness.lm_eval_child"], input=json.dumps(req),
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"tasks: unknown lm-eval task(s) ['no_such_task'] (task_dir {TASKS})"
+    assert not (tmp_path / "o.json").exists()
