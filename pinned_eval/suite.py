@@ -176,7 +176,8 @@ class DatasetSpec(_SamplingFields):
         default=None, min_length=1, description="Directory of local lm-eval task YAMLs (only these are looked up)."
     )
     lm_eval_model: LmEvalModel = Field(
-        default="local-completions", description="lm-eval's OpenAI-compatible model (local-chat-completions: generation only)."
+        default="local-completions",
+        description="lm-eval's OpenAI-compatible model (local-chat-completions: generation only).",
     )
     num_fewshot: int | None = Field(default=None, ge=0, description="lm-eval --num_fewshot; None: the task's.")
 

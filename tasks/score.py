@@ -7,8 +7,8 @@ after its retries (`RemoteRewardError`) skips the point as `reward_unavailable` 
 score. Scoring writes nothing: it returns the metrics and the point's samples, which the log task
 hands to the exporters (the samples artifact, the samples file) after the ledger.
 An lm-eval dataset also gets lm-eval's own metrics and stderr per task, `eval/<task>/<metric>`
-(`pinned_eval.rollout.lm_eval.lm_eval_metrics`). Weight-version metrics are computed against the pinned version, so `weight_version/mean == step`
-and `mixed_version_ratio == 0` prove the pin.
+(`pinned_eval.rollout.lm_eval.lm_eval_metrics`). Weight-version metrics are computed against the
+pinned version, so `weight_version/mean == step` and `mixed_version_ratio == 0` prove the pin.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ local generation task and a local multiple-choice task (tests/data/lm_eval_tasks
   in a fresh process, no pinned-eval code) against the same engines, exactly; every sample is at
   the pinned version and lm-eval's per-sample record is in the point's samples file;
 - lm-eval's requests count in the point's budget: a used-up `agent_max_requests` is
-  `agent_budget`.
+  `agent_budget`;
+- the rollout on the same engines (no flow): a reply of other weights fails it with the gateway's
+  `WeightVersionMismatch` (`pin_violation`), an unknown task is the skip `harness_error` naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,15 +22,21 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from blocks import FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
+from pinned_eval.datasets.loader import load_dataset
 from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
+from pinned_eval.fleet.errors import WeightVersionMismatch
+from pinned_eval.fleet.generate import RouterGenerator
 from pinned_eval.fleet.keys import FleetKeys
 from pinned_eval.fleet.launcher import LaunchedFleet, launch_fleet
 from pinned_eval.results.store import SAMPLES
+from pinned_eval.rollout import PointSession, Sample, run_rollouts
 from pinned_eval.sinks import JsonlSink
+from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import DatasetSpec, EvalSuite
 from tests.conftest import free_port
 from tests.pointkit import PointEnv, save_point_blocks, write_step_snapshot
@@ -93,10 +102,18 @@ def _run(env: PointEnv, step: int, model: Path):  # type: ignore[no-untyped-def]
     return eval_point(**env.params(step, source={"kind": "staged", "path": dest}), return_state=True)
 
 
-def _suite(**limits: int) -> EvalSuite:
-    ds = DatasetSpec(name="bench", kind="lm_eval", tasks=("pe_arith_gen", "pe_colour_mc"), task_dir=str(TASKS),
-                     **limits)  # type: ignore[arg-type]
+def _suite(tasks: tuple[str, ...] = ("pe_arith_gen", "pe_colour_mc"), **limits: int) -> EvalSuite:
+    ds = DatasetSpec(name="bench", kind="lm_eval", tasks=tasks, task_dir=str(TASKS), **limits)  # type: ignore[arg-type]
     return EvalSuite(datasets=(ds,))
+
+
+async def _rollout(fleet: LaunchedFleet, model: Path, expected: str, suite: EvalSuite) -> list[Sample]:
+    assert fleet.router_url is not None and fleet.keys is not None
+    (ds,) = suite.resolved()
+    async with httpx.AsyncClient(timeout=60) as http:
+        gen = RouterGenerator(http, fleet.router_url, api_key=fleet.keys.api)
+        session = PointSession(gen, expected_version=expected, rid_prefix="t", tokenizer_dir=str(model))
+        return await run_rollouts(session, [ds], {ds.name: load_dataset(ds)})
 
 
 def _direct(fleet: LaunchedFleet, model: Path) -> dict[str, dict[str, float]]:
@@ -151,3 +168,18 @@ def test_lm_eval_requests_count_in_the_point_budget(
     state = _run(_env(tmp_path, fleet, _suite(agent_max_requests=5)), 8, model)
     assert state.name == "Skipped", state.message
     assert state.message.startswith("agent_budget: the point's max_requests (5) is used up"), state.message
+
+
+def test_a_reply_of_other_weights_fails_the_lm_eval_run_as_the_gateways_violation(
+    fleet: LaunchedFleet, model: Path
+) -> None:
+    with pytest.raises(WeightVersionMismatch):
+        asyncio.run(_rollout(fleet, model, "not-served", _suite()))
+
+
+def test_an_unknown_task_is_the_skip_harness_error_naming_it(fleet: LaunchedFleet, model: Path) -> None:
+    with pytest.raises(EvalSkipped) as skipped:
+        asyncio.run(_rollout(fleet, model, "0", _suite(tasks=("pe_arith_gen", "no_such_task"))))
+    assert (skipped.value.reason, skipped.value.message) == (
+        "harness_error", f"dataset 'bench': lm-eval failed (exit 2): tasks: unknown lm-eval task(s) "
+                         f"['no_such_task'] (task_dir {TASKS})")
