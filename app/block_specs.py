@@ -157,7 +157,7 @@ class SuiteSpec(_Spec):
             except ValidationError as exc:
                 raise SpecError("dataset", spec_errors(exc).message) from exc
         for ds in suite.resolved():
-            if not ds.path.is_file():
+            if ds.path is not None and not ds.path.is_file():  # None: lm-eval tasks (checked at load)
                 raise SpecError("dataset" if self.dataset else "from_yaml",
                                 f"dataset {ds.name!r}: {ds.path}: no such file")
         if self.point_timeout:

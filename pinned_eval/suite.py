@@ -326,12 +326,13 @@ class EvalSuite(BaseModel):
                 if value is None:
                     value = getattr(self.fallbacks, field)
                 values[field] = value
-            lm_eval = {"kind": ds.kind, "tasks": ds.tasks or (), "lm_eval_model": ds.lm_eval_model,
-                       "num_fewshot": ds.num_fewshot,
-                       "task_dir": self._resolve_path(ds.task_dir) if ds.task_dir is not None else None}
             path = self._resolve_path(ds.path) if ds.path is not None else None
+            task_dir = self._resolve_path(ds.task_dir) if ds.task_dir is not None else None
             out.append(
-                ResolvedDataset(name=ds.name, path=path, every_n_steps=ds.every_n_steps, **lm_eval, **values)
+                ResolvedDataset(
+                    name=ds.name, path=path, every_n_steps=ds.every_n_steps, kind=ds.kind, tasks=ds.tasks or (),
+                    task_dir=task_dir, lm_eval_model=ds.lm_eval_model, num_fewshot=ds.num_fewshot, **values,
+                )
             )
         return out
 
