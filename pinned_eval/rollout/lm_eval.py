@@ -20,7 +20,8 @@ Contract:
   naming the dataset and the child's last stderr line.
 - rows are one per task (`pinned_eval.datasets.loader`); `produce(ds, row, 0)` is that task's
   samples, one per lm-eval document in lm-eval's order (`j > 0`: none; lm-eval's own repeats
-  apply). A sample's `prompt_index` runs over the dataset's tasks in order; its `response` is
+  apply). A sample's `prompt_index` runs over the dataset's tasks in order; `prompt` is its first
+  request's context (chat: lm-eval's messages as a JSON string); its `response` is
   lm-eval's filtered response (a generation's text; loglikelihood results as JSON); `reward` is
   its first metric's value; `metadata` holds `lm_eval_task`, lm-eval's per-sample record
   (`lm_eval`: doc, arguments, resps, filtered_resps, the metric values) and the task's results as
@@ -179,11 +180,10 @@ def _samples(ds: ResolvedDataset, result: dict[str, Any], version: str | None) -
             filtered = rec.get("filtered_resps")
             response = filtered[0] if isinstance(filtered, list) and filtered and isinstance(filtered[0], str) \
                 else json.dumps(filtered)
-            args = rec.get("arguments") or [[""]]
             target = rec.get("target")
             out[task].append(Sample(
                 dataset=ds.name, prompt_index=index, sample_index=0,
-                prompt=str(args[0][0]) if isinstance(args[0], list) and args[0] else str(args[0]),
+                prompt=_prompt(rec.get("arguments")),
                 label=target if isinstance(target, str | int | float) and not isinstance(target, bool)
                 else json.dumps(target),
                 metadata={"lm_eval_task": task, "lm_eval": rec, "lm_eval_results": results},
@@ -192,6 +192,15 @@ def _samples(ds: ResolvedDataset, result: dict[str, Any], version: str | None) -
             ))
             index += 1
     return out
+
+
+def _prompt(arguments: Any) -> str:
+    """The first request's context: a string, or (chat) lm-eval's JSON messages string in a 1-tuple."""
+    first = arguments[0][0] if isinstance(arguments, list) and arguments and isinstance(arguments[0], list) \
+        and arguments[0] else ""
+    while isinstance(first, list) and first:
+        first = first[0]
+    return first if isinstance(first, str) else json.dumps(first)
 
 
 def lm_eval_metrics(samples: Sequence[Sample]) -> dict[str, float]:

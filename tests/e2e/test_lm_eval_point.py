@@ -7,8 +7,10 @@ local generation task and a local multiple-choice task (tests/data/lm_eval_tasks
   the pinned version and lm-eval's per-sample record is in the point's samples file;
 - lm-eval's requests count in the point's budget: a used-up `agent_max_requests` is
   `agent_budget`;
-- the rollout on the same engines (no flow): a reply of other weights fails it with the gateway's
-  `WeightVersionMismatch` (`pin_violation`), an unknown task is the skip `harness_error` naming it.
+- the rollout on the same engines (no flow): `local-chat-completions` measures the generation task
+  through the gateway's chat route; a reply of other weights fails it with the gateway's
+  `WeightVersionMismatch` (`pin_violation`) and leaves no lm-eval process behind; an unknown task
+  is the skip `harness_error` naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from blocks import FleetBlock, SinksBlock, StagingBlock
@@ -35,6 +38,7 @@ from pinned_eval.fleet.keys import FleetKeys
 from pinned_eval.fleet.launcher import LaunchedFleet, launch_fleet
 from pinned_eval.results.store import SAMPLES
 from pinned_eval.rollout import PointSession, Sample, run_rollouts
+from pinned_eval.rollout.lm_eval import lm_eval_metrics
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import DatasetSpec, EvalSuite
@@ -102,9 +106,22 @@ def _run(env: PointEnv, step: int, model: Path):  # type: ignore[no-untyped-def]
     return eval_point(**env.params(step, source={"kind": "staged", "path": dest}), return_state=True)
 
 
-def _suite(tasks: tuple[str, ...] = ("pe_arith_gen", "pe_colour_mc"), **limits: int) -> EvalSuite:
-    ds = DatasetSpec(name="bench", kind="lm_eval", tasks=tasks, task_dir=str(TASKS), **limits)  # type: ignore[arg-type]
+def _suite(tasks: tuple[str, ...] = ("pe_arith_gen", "pe_colour_mc"), **fields: object) -> EvalSuite:
+    ds = DatasetSpec(name="bench", kind="lm_eval", tasks=tasks, task_dir=str(TASKS), **fields)  # type: ignore[arg-type]
     return EvalSuite(datasets=(ds,))
+
+
+def _served(fleet: LaunchedFleet) -> str:
+    assert fleet.router_url is not None and fleet.keys is not None
+    reply = httpx.post(f"{fleet.router_url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+                       headers={"Authorization": f"Bearer {fleet.keys.api}"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["meta_info"]["weight_version"])
+
+
+def _children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True)
+            if "pinned_eval.harness.lm_eval_child" in " ".join(p.cmdline())]
 
 
 async def _rollout(fleet: LaunchedFleet, model: Path, expected: str, suite: EvalSuite) -> list[Sample]:
@@ -175,6 +192,20 @@ def test_a_reply_of_other_weights_fails_the_lm_eval_run_as_the_gateways_violatio
 ) -> None:
     with pytest.raises(WeightVersionMismatch):
         asyncio.run(_rollout(fleet, model, "not-served", _suite()))
+    assert _children() == []
+
+
+def test_local_chat_completions_measures_a_generation_task_through_the_chat_route(
+    fleet: LaunchedFleet, model: Path
+) -> None:
+    version = _served(fleet)
+    samples = asyncio.run(_rollout(fleet, model, version, _suite(("pe_arith_gen",),
+                                                                  lm_eval_model="local-chat-completions")))
+    right = sum(r["question"] in {s["question"] for s in SCRIPTED} for r in GEN_ROWS)
+    assert lm_eval_metrics(samples)["eval/pe_arith_gen/exact_match"] == right / len(GEN_ROWS)
+    assert {s.weight_version for s in samples} == {version} and len(samples) == len(GEN_ROWS)
+    assert json.loads(samples[0].prompt) == [{"role": "user", "content": f"Q: {GEN_ROWS[0]['question']}\nA:"}]
+    assert samples[0].response == SCRIPTED[0]["answer"]
 
 
 def test_an_unknown_task_is_the_skip_harness_error_naming_it(fleet: LaunchedFleet, model: Path) -> None:

@@ -62,6 +62,12 @@ def test_a_miles_yaml_lm_eval_dataset_needs_no_rm_type_and_is_an_extension_key()
         EvalSuite.from_miles_yaml(yaml, strict_miles=True)
 
 
+def test_a_relative_task_dir_resolves_against_the_yaml_file(tmp_path: Path) -> None:
+    (tmp_path / "eval.yaml").write_text("eval:\n  datasets:\n    - {name: lm, kind: lm_eval, tasks: [t], task_dir: tasks}\n")
+    (ds,) = EvalSuite.from_miles_yaml(tmp_path / "eval.yaml").resolved()
+    assert ds.task_dir == tmp_path / "tasks"
+
+
 def test_rows_are_one_per_task_keyed_by_the_task_files(tmp_path: Path) -> None:
     for f in TASKS.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
