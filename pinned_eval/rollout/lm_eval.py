@@ -56,7 +56,7 @@ from pinned_eval.skips import EvalSkipped, SkipReason
 if TYPE_CHECKING:  # the gateway imports the rollout package (the session): imported where used
     from pinned_eval.gateway import GatewayLimits, PointGateway
 
-__all__ = ["LmEvalRollout", "lm_eval_metrics", "model_args"]
+__all__ = ["LmEvalRollout", "child_env", "child_request", "lm_eval_metrics", "model_args"]
 
 _STDERR_TAIL = 8192
 _ROUTES = {"local-completions": "/v1/completions", "local-chat-completions": "/v1/chat/completions"}
@@ -69,6 +69,29 @@ def model_args(model: str, base_url: str, tokenizer_dir: str | None, num_concurr
     if model == "local-completions":
         args |= {"tokenizer_backend": "huggingface", "tokenizer": tokenizer_dir, "tokenized_requests": False}
     return args
+
+
+def child_request(
+    ds: ResolvedDataset, base_url: str, tokenizer_dir: str | None, num_concurrent: int, out: Path
+) -> dict[str, Any]:
+    """The child's request for `ds` (`pinned_eval.harness.lm_eval_child`): `max_prompts` is lm-eval's
+    `limit`, `task_dir` its `include_path`."""
+    return {
+        "model": ds.lm_eval_model,
+        "model_args": model_args(ds.lm_eval_model, base_url, tokenizer_dir, num_concurrent),
+        "tasks": list(ds.tasks),
+        "include_path": str(ds.task_dir) if ds.task_dir is not None else None,
+        "limit": ds.max_prompts,
+        "num_fewshot": ds.num_fewshot,
+        "out": str(out),
+    }
+
+
+def child_env(token: str, tmp: Path) -> dict[str, str]:
+    """The child's environment: the worker's, plus the gateway's token as lm-eval's API key, offline
+    Hugging Face libraries and a datasets cache of its own under `tmp`."""
+    return {**os.environ, "OPENAI_API_KEY": token, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_CACHE": str(tmp / "hf-datasets"), "TOKENIZERS_PARALLELISM": "false"}
 
 
 class LmEvalRollout:
@@ -112,19 +135,8 @@ class LmEvalRollout:
     async def _run(self, gateway: PointGateway, session: PointSession, ds: ResolvedDataset) -> dict[str, list[Sample]]:
         with tempfile.TemporaryDirectory(prefix="pe-lm-eval-") as tmp:  # 0700: this user's only
             out = Path(tmp) / "result.json"
-            request = {
-                "model": ds.lm_eval_model,
-                "model_args": model_args(ds.lm_eval_model, gateway.base_url, session.tokenizer_dir,
-                                         session.max_concurrency),
-                "tasks": list(ds.tasks),
-                "include_path": str(ds.task_dir) if ds.task_dir is not None else None,
-                "limit": ds.max_prompts,
-                "num_fewshot": ds.num_fewshot,
-                "out": str(out),
-            }
-            env = {**os.environ, "OPENAI_API_KEY": gateway.token, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-                   "HF_DATASETS_CACHE": str(Path(tmp) / "hf-datasets"), "TOKENIZERS_PARALLELISM": "false"}
-            code, tail = await self._child(request, env, str(ds.task_dir or tmp))
+            request = child_request(ds, gateway.base_url, session.tokenizer_dir, session.max_concurrency, out)
+            code, tail = await self._child(request, child_env(gateway.token, Path(tmp)), str(ds.task_dir or tmp))
             if gateway.violation is not None:
                 raise gateway.violation
             if code != 0:

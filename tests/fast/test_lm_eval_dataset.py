@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from pinned_eval.datasets.loader import load_dataset
 from pinned_eval.harness import extra
-from pinned_eval.rollout.lm_eval import lm_eval_metrics, model_args
+from pinned_eval.rollout.lm_eval import child_env, child_request, lm_eval_metrics, model_args
 from pinned_eval.rollout.types import Sample
 from pinned_eval.suite import DatasetSpec, EvalSuite
 
@@ -63,7 +63,8 @@ def test_a_miles_yaml_lm_eval_dataset_needs_no_rm_type_and_is_an_extension_key()
 
 
 def test_a_relative_task_dir_resolves_against_the_yaml_file(tmp_path: Path) -> None:
-    (tmp_path / "eval.yaml").write_text("eval:\n  datasets:\n    - {name: lm, kind: lm_eval, tasks: [t], task_dir: tasks}\n")
+    yaml = "eval:\n  datasets:\n    - {name: lm, kind: lm_eval, tasks: [t], task_dir: tasks}\n"
+    (tmp_path / "eval.yaml").write_text(yaml)
     (ds,) = EvalSuite.from_miles_yaml(tmp_path / "eval.yaml").resolved()
     assert ds.task_dir == tmp_path / "tasks"
 
@@ -106,6 +107,20 @@ def test_model_args_point_lm_eval_at_the_gateway_with_text_prompts() -> None:
         "tokenizer_backend": "huggingface", "tokenizer": "/snap", "tokenized_requests": False}
     assert model_args("local-chat-completions", "http://g", None, 1) == {
         "model": "default", "base_url": "http://g/v1/chat/completions", "num_concurrent": 1, "max_retries": 1}
+
+
+def test_the_child_request_maps_the_dataset_and_runs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    suite = EvalSuite(datasets=(_lm(tasks=("pe_arith_gen",), task_dir=str(TASKS), max_prompts=5, num_fewshot=2),))
+    req = child_request(suite.resolved()[0], "http://gw", "/snap", 3, tmp_path / "o.json")
+    assert req == {"model": "local-completions", "model_args": model_args("local-completions", "http://gw", "/snap", 3),
+                   "tasks": ["pe_arith_gen"], "include_path": str(TASKS), "limit": 5, "num_fewshot": 2,
+                   "out": str(tmp_path / "o.json")}
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setenv("OPENAI_API_KEY", "the worker's own key")
+    env = child_env("gateway-token", tmp_path)
+    assert {k: env[k] for k in ("OPENAI_API_KEY", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_CACHE")} == {
+        "OPENAI_API_KEY": "gateway-token", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
 
 
 def test_the_child_refuses_an_unknown_task_before_any_request(tmp_path: Path) -> None:
