@@ -56,7 +56,7 @@ class _Progress:
 
     def tick(self) -> None:
         self.done += 1
-        pct = 100.0 * self.done / self.total
+        pct = min(100.0, 100.0 * self.done / self.total)  # a work item may yield several samples (lm-eval)
         if self.artifact_id is not None and (pct - self._shown >= 5.0 or self.done == self.total):
             self._shown = pct
             artifact_id = self.artifact_id
