@@ -10,7 +10,9 @@
   from lm-eval's per-sample log) plus the metrics the score task adds (`lm_eval_metrics`).
 Both pay lm-eval's import and task loading; the difference is the harness's overhead. Runs
 alternate (direct, point, direct, ...) so they share the load of the moment; the first pair warms
-up. Each point's metrics are checked equal to the direct run's.
+up. Each point's metrics are checked equal to the direct run's. The overhead is split into the
+child's part (its wall time minus the direct run's: the gateway hop on each request) and the part
+around it (the gateway's start, reading lm-eval's result, building the samples, the metrics).
 
 Usage: `python -m bench harness [--points N] [--concurrency N]` (defaults 3, 4).
 """
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -36,7 +39,7 @@ from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
 from pinned_eval.fleet.generate import RouterGenerator
 from pinned_eval.fleet.keys import FleetKeys
 from pinned_eval.fleet.launcher import LaunchedFleet, launch_fleet
-from pinned_eval.rollout import PointSession, run_rollouts
+from pinned_eval.rollout import ROLLOUTS, PointSession, run_rollouts
 from pinned_eval.rollout.lm_eval import lm_eval_metrics, model_args
 from pinned_eval.suite import DatasetSpec, EvalSuite
 
@@ -79,6 +82,23 @@ def direct(fleet: LaunchedFleet, model: Path, concurrency: int, cache: Path) -> 
     return elapsed, flat
 
 
+CHILD: list[float] = []  # the lm-eval child's wall time per point (timed around `LmEvalRollout._child`)
+
+
+def _time_the_child() -> None:
+    rollout = ROLLOUTS["lm_eval"]
+    inner = rollout._child  # type: ignore[attr-defined]
+
+    async def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await inner(*args)
+        finally:
+            CHILD.append(time.perf_counter() - t0)
+
+    rollout._child = timed  # type: ignore[attr-defined]
+
+
 async def point(fleet: LaunchedFleet, model: Path, concurrency: int, tag: str) -> tuple[float, dict[str, float]]:
     assert fleet.router_url is not None and fleet.keys is not None
     (ds,) = EvalSuite(datasets=(DatasetSpec(name="bench", kind="lm_eval", tasks=tuple(TASK_NAMES),
@@ -95,7 +115,8 @@ async def point(fleet: LaunchedFleet, model: Path, concurrency: int, tag: str) -
 
 
 def measure(fleet: LaunchedFleet, model: Path, points: int, concurrency: int, base: Path) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"direct": [], "point": []}
+    times: dict[str, list[float]] = {"direct": [], "point": [], "child": []}
+    _time_the_child()
     for p in range(points + 1):  # the first pair warms up
         d, want = direct(fleet, model, concurrency, base / f"hf-{p}")
         t, got = asyncio.run(point(fleet, model, concurrency, f"b{p}"))
@@ -104,14 +125,18 @@ def measure(fleet: LaunchedFleet, model: Path, points: int, concurrency: int, ba
         if p:
             times["direct"].append(d)
             times["point"].append(t)
+            times["child"].append(CHILD[-1])
     return times
 
 
 def table(times: dict[str, list[float]]) -> list[str]:
-    d, p = statistics.median(times["direct"]), statistics.median(times["point"])
+    d, p, c = (statistics.median(times[k]) for k in ("direct", "point", "child"))
     return ["| run | p50 s |", "|---|---|", f"| lm-eval directly (fresh process, router) | {d:.2f} |",
             f"| harness point (gateway + child + samples + metrics) | {p:.2f} |",
-            f"| overhead (point - direct) | {p - d:.2f} ({100 * (p - d) / p:.1f} % of the point) |"]
+            f"| of which the lm-eval child process (its requests through the gateway) | {c:.2f} |",
+            f"| overhead (point - direct) | {p - d:.2f} ({100 * (p - d) / p:.1f} % of the point) |",
+            f"| of which in the child (child - direct: the gateway hop per request) | {c - d:.2f} |",
+            f"| of which around it (point - child: gateway start, samples, metrics) | {p - c:.2f} |"]
 
 
 def main(argv: list[str] | None = None) -> None:
