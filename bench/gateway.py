@@ -11,10 +11,11 @@ adds the key, checks the version, counts and records. A third variant, `via gate
 the gateway as it was before its listening socket named `IPPROTO_TCP` (asyncio then leaves Nagle
 on, and each reply's body waits for the client's delayed ACK): old and new side by side. The
 client and the gateway share one event loop (the worker runs user code in another process: this
-is the pessimistic case). `overhead` is per pair (gateway call minus the direct call next to it): p50, p90, p99, and the p50
-as a percentage of the direct call's p50. `CPU` is this process's CPU time per call (client, plus the
-gateway for the gateway calls; the router and engine run elsewhere): its difference is the
-gateway's own work, which a loaded machine stretches in wall time.
+is the pessimistic case). `overhead` is per pair (gateway call minus the direct call next to it):
+p50, p90, p99, and the p50 as a percentage of the direct call's p50. `CPU` is this process's CPU
+time per call (client, plus the gateway for the gateway calls; the router and engine run
+elsewhere): its difference is the gateway's own work, which a loaded machine stretches in wall
+time.
 
 Usage: `python -m bench gateway [--calls N] [--max-new-tokens N]` (defaults 200, 8).
 """
