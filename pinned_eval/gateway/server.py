@@ -335,7 +335,7 @@ class PointGateway:
         if lora is None and any(n is not None for n in names):
             raise _Refused(400, f"{path}: lora_path: this point serves full weights, not an adapter (leave it out)")
         if lora is not None and any(n is not None and n != lora for n in names):
-            raise _Refused(400, f"{path}: lora_path: {given!r} is not this point's adapter {lora!r} (leave it out)")
+            raise _Refused(400, f"{path}: lora_path: {given!r:.80} is not this point's adapter {lora!r} (leave it out)")
         return body if lora is None else {**body, "lora_path": lora}
 
     def _admit(self, key: str | None) -> SampleState | None:
