@@ -23,9 +23,9 @@ none due: skipped `no_dataset_due`), and each outcome emits its `pinned-eval.poi
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Literal
 
 from prefect import flow, get_client

@@ -262,6 +262,6 @@ def serve_metrics(root: str | Path, port: int, host: str = "127.0.0.1") -> tuple
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PointMetricsCollector(root))
     server, _thread = start_http_server(port, addr=host, registry=registry)
-    bound = server.server_address
-    shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
-    return server, f"http://{shown}:{bound[1]}/metrics"
+    bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return server, f"http://{shown}:{bound_port}/metrics"

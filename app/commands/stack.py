@@ -87,7 +87,8 @@ def worker(
 
     with prefect_client():  # a server that is down: one line naming `server up`, never a traceback
         pass
-    server, extra_env = None, {}
+    server: Any = None
+    extra_env: dict[str, str] = {}
     if metrics_port is not None:
         server, extra_env = _serve_metrics(stack.home / "metrics", metrics_port, metrics_host)
     try:

@@ -98,7 +98,8 @@ def test_a_scrape_after_measured_skipped_and_failed_points_counts_each_exactly(
         types = [s.type.value if s else "" for s in found]
         return [f"{s.type.value}/{s.name}" for s in found if s] if set(types) <= TERMINAL else None
 
-    ended = poll_until(states, timeout_s=240, interval_s=0.5, what=lambda: f"4 points ended; log:\n{cli.log.read_text()}")
+    ended = poll_until(states, timeout_s=240, interval_s=0.5,
+                       what=lambda: f"4 points ended; log:\n{cli.log.read_text()}")
     assert ended == ["COMPLETED/Completed", "COMPLETED/Skipped", "FAILED/Failed", "COMPLETED/Skipped"]
 
     metrics = _scrape(url)
