@@ -3,10 +3,10 @@ options the project's own S3 fields produce (`pinned_eval.snapshot.layout.s3_sto
 every S3 code path is the same either way.
 
 `S3Bucket(bucket_name, bucket_folder, credentials=AwsCredentials(...))` becomes the URL
-`s3://<bucket_name>[/<bucket_folder>]` and the options: `endpoint_url` from
-`credentials.aws_client_parameters.endpoint_url`, `client_kwargs.region_name` from
+`s3://<bucket_name>[/<bucket_folder>]` and the options (`pinned_eval.aws_bucket`: `endpoint_url`
+from `credentials.aws_client_parameters.endpoint_url`, `client_kwargs.region_name` from
 `region_name`, `key` / `secret` / `token` from the access key, secret and session token,
-`profile` from `profile_name`. Credentials that s3fs cannot take as options (`assume_role_arn`,
+`profile` from `profile_name`). Credentials that s3fs cannot take as options (`assume_role_arn`,
 MinIO credentials) are refused naming the field. prefect-aws is the `aws` extra: a block naming an
 S3Bucket without it is refused when it loads. The options hold secrets: callers keep them out of
 repr, logs and argv (private attributes, passed to fsspec in-process only).
@@ -14,19 +14,21 @@ repr, logs and argv (private attributes, passed to fsspec in-process only).
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from blocks._meta import load_block
-from pinned_eval.snapshot.layout import s3_storage_options
+from pinned_eval.aws_bucket import s3_bucket_location
 
 AWS_HINT = "pip install 'pinned-eval[aws]'"
 
 
 def require_prefect_aws(field: str) -> None:
     """ValueError naming `field` and the extra unless prefect-aws is importable."""
-    if importlib.util.find_spec("prefect_aws") is None:
-        raise ValueError(f"{field}: names a prefect-aws S3Bucket block, but prefect-aws is not installed: {AWS_HINT}")
+    try:
+        import prefect_aws  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{field}: names a prefect-aws S3Bucket block, but prefect-aws is not installed: "
+                         f"{AWS_HINT}") from None
 
 
 def resolve_s3_bucket(name: str, field: str) -> tuple[str, dict[str, Any]]:
@@ -37,20 +39,15 @@ def resolve_s3_bucket(name: str, field: str) -> tuple[str, dict[str, Any]]:
 
     try:
         bucket = load_block(S3Bucket, name)
-    except ValueError as exc:
-        raise ValueError(f"{field}: no prefect-aws S3Bucket block named {name!r} ({exc})") from None
+    except ValueError as exc:  # one line: a missing block, or the first line of why it does not load
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if why.startswith("Unable to find"):
+            raise ValueError(f"{field}: no prefect-aws S3Bucket block named {name!r}") from None
+        raise ValueError(f"{field}: prefect-aws S3Bucket block {name!r} does not load: {why}") from None
     creds = bucket.credentials
     if not isinstance(creds, AwsCredentials):
         raise ValueError(f"{field}: S3Bucket {name!r} has {type(creds).__name__}; only AwsCredentials is supported")
-    if creds.assume_role_arn:
-        raise ValueError(f"{field}: S3Bucket {name!r}: AwsCredentials.assume_role_arn is not supported "
-                         "(s3fs takes keys, a session token or a profile)")
     secret = creds.aws_secret_access_key.get_secret_value() if creds.aws_secret_access_key else None
-    opts = s3_storage_options(creds.aws_client_parameters.endpoint_url, creds.region_name,
-                              creds.aws_access_key_id, secret)
-    if creds.aws_session_token:
-        opts["token"] = creds.aws_session_token
-    if creds.profile_name:
-        opts["profile"] = creds.profile_name
-    folder = bucket.bucket_folder.strip("/")
-    return f"s3://{bucket.bucket_name}" + (f"/{folder}" if folder else ""), opts
+    data = {"bucket_name": bucket.bucket_name, "bucket_folder": bucket.bucket_folder,
+            "credentials": creds.model_dump(mode="json") | {"aws_secret_access_key": secret}}
+    return s3_bucket_location(data, field, name)

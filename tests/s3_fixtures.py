@@ -40,14 +40,15 @@ class S3Server:
         return name
 
 
-def save_prefect_aws_bucket(server: S3Server, bucket: str, folder: str = "") -> str:
+def save_prefect_aws_bucket(server: S3Server, bucket: str, folder: str = "", *, key: str = KEY,
+                            secret: str = SECRET) -> str:
     """Save prefect-aws `AwsCredentials` (the server's keys and endpoint) and an `S3Bucket` naming
     `bucket`/`folder` with them to the current Prefect server; returns the S3Bucket block's name."""
     from prefect_aws import AwsCredentials, S3Bucket
     from prefect_aws.client_parameters import AwsClientParameters
 
     name = f"aws-{uuid.uuid4().hex[:10]}"
-    creds = AwsCredentials(aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+    creds = AwsCredentials(aws_access_key_id=key, aws_secret_access_key=secret,
                            aws_client_parameters=AwsClientParameters(endpoint_url=server.endpoint_url))
     creds.save(name)
     S3Bucket(bucket_name=bucket, bucket_folder=folder, credentials=AwsCredentials.load(name)).save(name)
