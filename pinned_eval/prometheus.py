@@ -37,7 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pinned_eval.processes import pid_alive
-from pinned_eval.trusted_paths import UntrustedPathError, check_trusted, make_private_dirs
+from pinned_eval.trusted_paths import UntrustedPathError, make_private_dirs
 
 log = logging.getLogger(__name__)
 METRICS_DIR_ENV = "PINNED_EVAL_METRICS_DIR"
@@ -227,7 +227,7 @@ class PointMetricsCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        check_trusted(str(self.root), "metrics directory")
+        private_metrics_dir(self.root)  # still this user's alone, 0700
         with self._lock:
             self._read_new()
             totals = self._totals

@@ -76,6 +76,9 @@ def test_outcomes_and_pins_are_counted_exactly_with_their_histograms(endpoint: s
     again = scrape(endpoint)["pinned_eval_points"]
     assert again[0][2] == 3.0 and again[1:] == m["pinned_eval_points"][1:], "new events only, none twice"
     assert len(os.listdir(metrics_dir / "events")) == 6, "one file per event, no temp file left"
+    restarted = {f.name: [(s.name, s.labels, s.value) for s in f.samples]  # a new worker, the same directory
+                 for f in prom.PointMetricsCollector(metrics_dir).collect()}
+    assert restarted["pinned_eval_points"] == scrape(endpoint)["pinned_eval_points"]
 
 
 def test_a_point_in_flight_counts_until_it_ends_or_its_process_dies(endpoint: str, metrics_dir: Path) -> None:
@@ -175,3 +178,18 @@ def test_a_scrape_before_any_point_has_no_series(endpoint: str) -> None:
     m = scrape(endpoint)
     assert m["pinned_eval_points"] == [] and m["pinned_eval_points_in_flight"] == []
     assert m["pinned_eval_metrics_unreadable_events"] == [("pinned_eval_metrics_unreadable_events_total", {}, 0.0)]
+
+
+def test_the_worker_refuses_to_serve_from_a_directory_others_can_write(tmp_path: Path) -> None:
+    from app.commands._cli import CliError
+    from app.commands.stack import _serve_metrics
+
+    root = tmp_path / "metrics"
+    prom.private_metrics_dir(root)
+    os.chmod(root, 0o777)
+    with pytest.raises(CliError) as info:
+        _serve_metrics(root, 0, "127.0.0.1")
+    assert str(info.value).startswith(f"--metrics-port: metrics directory {str(root)!r} refused: it is writable by "
+                                      "others without the sticky bit")
+    with pytest.raises(CliError, match=r"^--metrics-port: 70000 is not a port \(0-65535\)$"):
+        _serve_metrics(root, 70000, "127.0.0.1")
