@@ -27,7 +27,7 @@ from pinned_eval.polling import poll_until
 from tests.conftest import free_port
 from tests.deploykit import REPO, prefect_cli
 from tests.e2e.test_worker_stop import WorkerCli, _deployment_on, _up, fresh_home
-from tests.pointkit import save_point_blocks, write_step_snapshot
+from tests.pointkit import PointEnv, save_point_blocks, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 BACKEND = "tests.hosted_backends:LifecycleBackend"
@@ -117,3 +117,31 @@ def test_a_scrape_after_measured_skipped_and_failed_points_counts_each_exactly(
     assert metrics["pinned_eval_metrics_unreadable_events"] == [
         ("pinned_eval_metrics_unreadable_events_total", {}, 0.0)]
     assert _scrape(url)["pinned_eval_points"] == metrics["pinned_eval_points"], "a second scrape counts nothing twice"
+
+
+def test_a_fleet_point_records_its_pin_and_its_outcome(
+    prefect_server: str, point_env: PointEnv, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process, with the worker's variable set: the fleet posture's pin is observed once, by fleet."""
+    from blocks import FleetBlock, StagingBlock
+    from flows.eval_point import eval_point
+    from pinned_eval.prometheus import METRICS_DIR_ENV, serve_metrics
+
+    root = tmp_path / "metrics"
+    monkeypatch.setenv(METRICS_DIR_ENV, str(root))
+    server, url = serve_metrics(root, 0)
+    try:
+        dest = StagingBlock.load(point_env.blocks["staging"]).staging().path_for(point_env.run, 2)
+        source = {"kind": "staged", "path": write_step_snapshot(tiny_model, dest)}
+        state = eval_point(**point_env.params(2, source=source), return_state=True)
+        assert state.name == "Completed", state.message
+        metrics = _scrape(url)
+    finally:
+        server.shutdown()
+    fleet = FleetBlock.load(point_env.blocks["fleet"]).name
+    assert metrics["pinned_eval_points"] == [
+        ("pinned_eval_points_total", {"run": point_env.run, "outcome": "measured", "reason": ""}, 1.0)]
+    pins = [(s[1], s[2]) for s in metrics["pinned_eval_pin_duration_seconds"]
+            if s[0] == "pinned_eval_pin_duration_seconds_count"]
+    assert pins == [({"fleet": fleet}, 1.0)]
+    assert metrics["pinned_eval_points_in_flight"] == []
