@@ -33,5 +33,10 @@ def s3_bucket_location(data: Mapping[str, Any], field: str, name: str) -> tuple[
         opts["token"] = creds["aws_session_token"]
     if creds.get("profile_name"):
         opts["profile"] = creds["profile_name"]
+    return s3_bucket_url(data), opts
+
+
+def s3_bucket_url(data: Mapping[str, Any]) -> str:
+    """`s3://<bucket_name>[/<bucket_folder>]` of an S3Bucket block's data (no secret needed)."""
     folder = str(data.get("bucket_folder") or "").strip("/")
-    return f"s3://{data['bucket_name']}" + (f"/{folder}" if folder else ""), opts
+    return f"s3://{data['bucket_name']}" + (f"/{folder}" if folder else "")

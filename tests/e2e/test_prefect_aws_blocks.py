@@ -53,3 +53,30 @@ def test_the_staging_block_resolves_the_bucket_once(prefect_server: str, s3_serv
     assert block.storage_options()["secret"] == SECRET and block.s3_options()["endpoint_url"] == s3_server.endpoint_url
     assert SECRET not in repr(block) and SECRET not in block.model_dump_json()
     assert block.all_source_roots() == [f"s3://{bucket}"]
+
+
+def test_request_checks_a_source_against_the_s3_bucket_root_before_sending(
+    prefect_server: str, s3_server: S3Server  # noqa: F811
+) -> None:
+    from prefect import get_client
+
+    from app.commands._cli import CliError
+    from app.commands.points import check_source_roots
+    from pinned_eval.points import SnapshotSource
+
+    bucket = s3_server.make_bucket("req")
+    name = save_prefect_aws_bucket(s3_server, bucket, "stage")
+    StagingBlock(s3_bucket_block=name).save(name)
+    gone = f"gone-{uuid.uuid4().hex[:8]}"
+    StagingBlock(s3_bucket_block=gone).save(gone)
+    with get_client(sync_client=True) as client:
+        check_source_roots(client, SnapshotSource(kind="staged", path=f"s3://{bucket}/stage/r/step_1"), name)
+        with pytest.raises(CliError) as info:
+            check_source_roots(client, SnapshotSource(kind="staged", path=f"s3://{bucket}/elsewhere/x"), name)
+        assert info.value.code == 2 and info.value.message.startswith(
+            f"--source: s3://{bucket}/elsewhere/x is outside the source roots of staging block {name!r} "
+            f"(s3://{bucket}/stage); nothing was sent.")
+        with pytest.raises(CliError) as info:
+            check_source_roots(client, SnapshotSource(kind="staged", path=f"s3://{bucket}/stage/x"), gone)
+    assert (info.value.code, info.value.message) == (2, f"--staging: staging block {gone!r} names the S3Bucket "
+                                                        f"block {gone!r}, which does not exist; nothing was sent")
