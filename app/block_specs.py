@@ -234,7 +234,8 @@ class FleetSpec(_Spec):
 class StagingSpec(_Spec):
     """Where points stage snapshots (`root`) and where their sources may lie (`source_root`)."""
 
-    root: str = Field(min_length=1)
+    root: str | None = Field(default=None, min_length=1)
+    s3_bucket_block: str | None = Field(default=None, min_length=1)  # a prefect-aws S3Bucket instead of root
     source_root: list[str] = Field(default_factory=list)
     keep: int = Field(default=2, ge=0, le=1000)
     endpoint_url: str | None = None
@@ -248,6 +249,11 @@ class StagingSpec(_Spec):
 
         from blocks import StagingBlock  # prefect: slow import
 
+        if self.s3_bucket_block is not None:
+            _one_bucket("s3_bucket_block", {"root": self.root, "endpoint_url": self.endpoint_url,
+                                            "region": self.region, "s3_keys_from_env": self.s3_keys_from_env})
+        elif self.root is None:
+            raise SpecError("root", "required: a directory or s3://bucket/prefix (or --s3-bucket-block NAME)")
         keys: dict[str, Any] = {}
         if self.s3_keys_from_env:
             missing = [v for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(v)]
@@ -257,7 +263,8 @@ class StagingSpec(_Spec):
                     "aws_secret_access_key": SecretStr(os.environ["AWS_SECRET_ACCESS_KEY"])}
         cache_max = parse_size("cache_max_size", self.cache_max_size) if self.cache_max_size else None
         return StagingBlock(
-            root=_abs(base, self.root), source_roots=[_abs(base, r) for r in self.source_root],
+            root=_abs(base, self.root) if self.root else None, s3_bucket_block=self.s3_bucket_block,
+            source_roots=[_abs(base, r) for r in self.source_root],
             keep_snapshots=self.keep, endpoint_url=self.endpoint_url, region_name=self.region,
             cache_dir=_abs(base, self.cache_dir) if self.cache_dir else None, cache_max_bytes=cache_max, **keys,
         )
@@ -269,6 +276,7 @@ class SinksSpec(_Spec):
     jsonl: Path | None = None
     results_root: str | None = Field(default=None, min_length=1)
     results_endpoint_url: str | None = None
+    results_s3_bucket_block: str | None = Field(default=None, min_length=1)  # prefect-aws S3Bucket: the results root
     wandb_project: str | None = None
     wandb_entity: str | None = None
     wandb_run_id: str | None = None
@@ -282,13 +290,31 @@ class SinksSpec(_Spec):
         if self.wandb_writer == "shared" and self.wandb_mode != "online":
             raise SpecError("wandb_writer", "'shared' writes into the live training run: it needs "
                                             "--wandb-mode online")
+        if self.results_s3_bucket_block is not None:
+            _one_bucket("results_s3_bucket_block", {"results_root": self.results_root,
+                                                    "results_endpoint_url": self.results_endpoint_url})
         return SinksBlock(
+            results_s3_bucket_block=self.results_s3_bucket_block,
             jsonl_path=_abs(base, self.jsonl) if self.jsonl else None, wandb_project=self.wandb_project,
             wandb_entity=self.wandb_entity, wandb_run_id=self.wandb_run_id, wandb_writer=self.wandb_writer,
             wandb_mode=self.wandb_mode, wandb_dir=_abs(base, self.wandb_dir) if self.wandb_dir else None,
             results_root=_abs(base, self.results_root) if self.results_root else None,
             results_endpoint_url=self.results_endpoint_url,
         )
+
+
+def _one_bucket(key: str, others: dict[str, Any]) -> None:
+    """A prefect-aws S3Bucket named by `key` replaces the `others` keys: none may be set; the
+    `aws` extra must be installed."""
+    from blocks._aws import require_prefect_aws
+
+    for other, value in others.items():
+        if value:
+            raise SpecError(other, f"set either {other} or {key} (a prefect-aws S3Bucket block), not both")
+    try:
+        require_prefect_aws(key)
+    except ValueError as exc:
+        raise SpecError(key, str(exc).removeprefix(f"{key}: ")) from None
 
 
 SPECS: dict[str, type[_Spec]] = {"suite": SuiteSpec, "fleet": FleetSpec, "staging": StagingSpec, "sinks": SinksSpec}

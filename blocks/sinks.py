@@ -4,16 +4,18 @@ JSONL rows are keyed (run, step, dataset) and a rerun replaces its rows; W&B row
 training run without resuming it (a dedicated eval run grouped with it, or shared mode into it)
 and are plotted against `eval/step`. With `results_root`, every measured point's samples and
 generations go there as Parquet (`pinned_eval.results`; docs/results.md), and W&B gets a table of
-`wandb_samples_per_dataset` samples per dataset.
+`wandb_samples_per_dataset` samples per dataset. An S3 results root may instead come from a
+prefect-aws `S3Bucket` block named by `results_s3_bucket_block` (`blocks._aws`; not both).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from prefect.blocks.core import Block
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
+from blocks._aws import require_prefect_aws, resolve_s3_bucket
 from blocks._meta import DOCS_URL, LOGO_URL
 from pinned_eval.results.store import ResultsStore
 from pinned_eval.sinks import WandbWriter
@@ -68,8 +70,30 @@ class SinksBlock(Block):
         default=0, ge=0, le=1000, description="Samples per dataset in the point's W&B table (needs results_root)."
     )
 
+    # prefect-aws S3Bucket instead of results_root / results_endpoint_url (blocks._aws)
+    results_s3_bucket_block: str | None = Field(
+        default=None, min_length=1,
+        description="Name of a saved prefect-aws `S3Bucket` block whose bucket and folder are the results root "
+                    "(instead of `results_root`; needs `pinned-eval[aws]`).",
+    )
+    _results_s3: tuple[str, dict[str, Any]] | None = PrivateAttr(default=None)  # resolved; holds secrets
+
+    @model_validator(mode="after")
+    def _one_results_root(self) -> SinksBlock:
+        if self.results_s3_bucket_block is not None:
+            for name in ("results_root", "results_endpoint_url"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: set either {name} or results_s3_bucket_block, not both")
+            require_prefect_aws("results_s3_bucket_block")
+        return self
+
     def results_store(self) -> ResultsStore | None:
-        """The results store, or None when `results_root` is unset."""
+        """The results store, or None when neither `results_root` nor `results_s3_bucket_block` is set."""
+        if self.results_s3_bucket_block:
+            if self._results_s3 is None:
+                self._results_s3 = resolve_s3_bucket(self.results_s3_bucket_block, "results_s3_bucket_block")
+            url, opts = self._results_s3
+            return ResultsStore(url, dict(opts))
         if not self.results_root:
             return None
         remote = self.results_root.startswith(("s3://", "s3a://"))

@@ -153,8 +153,11 @@ def save_fleet(
 @save_app.command("staging")
 def save_staging(
     name: NameArg,
-    root: Annotated[str, typer.Option("--root", help="Directory (tmpfs recommended) or s3://bucket/prefix "
-                                      "where points stage snapshots.")],
+    root: Annotated[str | None, typer.Option("--root", help="Directory (tmpfs recommended) or s3://bucket/prefix "
+                                             "where points stage snapshots.")] = None,
+    s3_bucket_block: Annotated[str | None, typer.Option("--s3-bucket-block", help="A saved prefect-aws S3Bucket "
+                                                        "block (bucket, folder, AwsCredentials) instead of "
+                                                        "--root and the S3 flags.")] = None,
     source_root: Annotated[list[str] | None, typer.Option("--source-root", help="Directory or s3:// prefix "
                                                           "your checkpoints lie under, repeatable.")] = None,
     keep: Annotated[int, typer.Option("--keep", help="Staged snapshots kept per run for reruns.")] = 2,
@@ -168,7 +171,8 @@ def save_staging(
 ) -> None:
     """Save staging: where points stage snapshots, and where their sources may lie."""
     _save("staging", name, {
-        "root": root, "source_root": source_root or [], "keep": keep, "endpoint_url": endpoint_url,
+        "root": root, "s3_bucket_block": s3_bucket_block, "source_root": source_root or [], "keep": keep,
+        "endpoint_url": endpoint_url,
         "region": region, "s3_keys_from_env": s3_keys_from_env, "cache_dir": cache_dir,
         "cache_max_size": cache_max_size,
     }, overwrite)
@@ -192,6 +196,9 @@ def save_sinks(
                                                      "`compare` and `rescore` read them.")] = None,
     results_endpoint_url: Annotated[str | None, typer.Option("--results-endpoint-url", help="S3 endpoint of an "
                                                              "s3:// --results-root.")] = None,
+    results_s3_bucket_block: Annotated[str | None, typer.Option("--results-s3-bucket-block", help="A saved "
+                                                                "prefect-aws S3Bucket block as the results root "
+                                                                "instead of --results-root.")] = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Save sinks: a JSONL metrics file and/or W&B (Prefect artifacts are always written)."""
@@ -199,6 +206,7 @@ def save_sinks(
         "jsonl": jsonl, "wandb_project": wandb_project, "wandb_entity": wandb_entity,
         "wandb_run_id": wandb_run_id, "wandb_writer": wandb_writer, "wandb_mode": wandb_mode,
         "wandb_dir": wandb_dir, "results_root": results_root, "results_endpoint_url": results_endpoint_url,
+        "results_s3_bucket_block": results_s3_bucket_block,
     }, overwrite)
 
 
