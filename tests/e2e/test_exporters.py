@@ -2,13 +2,15 @@
 
 One contract for each: built from a sinks block that configures every exporter, it names itself,
 declares its lock, exports one measured point with nothing to report, and what it wrote reads back
-exactly: W&B offline run files (`tests.wandb_offline`), the samples Parquet file, the Prefect
-artifacts. A newly registered exporter fails `test_every_exporter_is_read_back` until it gets a
+exactly: W&B offline run files (`tests.wandb_offline`), a real MLflow tracking server
+(`tests.mlflow_server`, read back through `MlflowClient`), TensorBoard event files (read back with
+TensorBoard's own `EventAccumulator`), the samples Parquet file, the Prefect artifacts. A newly registered exporter fails `test_every_exporter_is_read_back` until it gets a
 reader here. Also: a sinks block document saved with today's fields loads and builds them all.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from typing import Any, cast
 
 import pytest
 from prefect import flow
+from pydantic import SecretStr
 from prefect.artifacts import Artifact
 
 import tasks.log  # noqa: F401 - importing it registers the Prefect-side exporters
@@ -28,6 +31,8 @@ from pinned_eval.results.store import SAMPLES
 from pinned_eval.results.tables import table_key
 from pinned_eval.sinks import EXPORTERS, Ledger, MetricRow, PointRecord, PointSamples, build_exporters, export_all
 from tasks.results import write_sample_rows
+from tests.mlflow_server import MlflowServer, mlflow_server  # noqa: F401 - the fixture
+from tests.tensorboard_events import scalars
 from tests.wandb_offline import history_rows, logged_tables, runs
 
 STEP = 4
@@ -61,7 +66,7 @@ RESULTS = {
 SAMPLE_ROWS = [_sample_row("add", 0, 0, 1.0), _sample_row("add", 1, 0, 0.0), _sample_row("add", 2, 0, 1.0)]
 
 
-def _sinks(tmp_path: Path) -> SinksBlock:
+def _sinks(tmp_path: Path, mlflow_url: str) -> SinksBlock:
     return SinksBlock(
         jsonl_path=str(tmp_path / "metrics.jsonl"),
         results_root=str(tmp_path / "results"),
@@ -69,6 +74,9 @@ def _sinks(tmp_path: Path) -> SinksBlock:
         wandb_mode="offline",
         wandb_dir=str(tmp_path / "wandb"),
         wandb_samples_per_dataset=2,
+        mlflow_tracking_uri=mlflow_url,
+        mlflow_samples_per_dataset=2,
+        tensorboard=True,
     )
 
 
@@ -99,6 +107,27 @@ def _read_wandb(sinks: SinksBlock, record: PointRecord) -> None:
     table = logged_tables(wandb_dir)["eval/samples/add"]
     assert table["columns"][:4] == ["example_id", "sample_index", "prompt", "response"]
     assert [row[:5] for row in table["data"]] == [[0, 0, "0+1=", "1", 1.0], [1, 0, "1+1=", "2", 0.0]]  # first 2
+
+
+def _read_mlflow(sinks: SinksBlock, record: PointRecord) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=sinks.mlflow_tracking_uri)
+    experiment = client.get_experiment_by_name("pinned-eval")
+    assert experiment is not None
+    [run] = client.search_runs([experiment.experiment_id], filter_string=f"tags.`pinned_eval.run` = '{record.run}'")
+    assert (run.info.run_name, run.info.status) == (f"{record.run}-eval", "FINISHED")
+    history = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
+    assert history == {"eval/add": [(STEP, 0.6667)], "eval/step": [(STEP, STEP)]}
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, f"eval/samples/step_{STEP:08d}/add.json")
+                            ).read_text())
+    assert table["columns"][:4] == ["example_id", "sample_index", "prompt", "response"]
+    assert [row[:5] for row in table["data"]] == [[0, 0, "0+1=", "1", 1.0], [1, 0, "1+1=", "2", 0.0]]  # first 2
+
+
+def _read_tensorboard(sinks: SinksBlock, record: PointRecord) -> None:
+    logdir = Path(cast(str, sinks.results_root)) / record.run / "tensorboard"
+    assert scalars(logdir) == {"eval/add": [(STEP, 0.6667)], "eval/step": [(STEP, STEP)]}
 
 
 def _read_results(sinks: SinksBlock, record: PointRecord) -> None:
@@ -151,6 +180,8 @@ READ_BACK: dict[str, Callable[[SinksBlock, PointRecord], None]] = {
     "results": _read_results,
     "samples": _read_samples,
     "wandb": _read_wandb,
+    "mlflow": _read_mlflow,
+    "tensorboard": _read_tensorboard,
     "artifacts": _read_artifacts,
 }
 
@@ -161,16 +192,25 @@ def test_every_exporter_is_read_back() -> None:
         "results",
         "samples",
         "wandb",
+        "mlflow",
+        "tensorboard",
         "artifacts",  # the samples file before those that read or link it
     ]
 
 
 @pytest.mark.parametrize("name", sorted(EXPORTERS))
-def test_an_exporter_writes_what_reads_back(prefect_server: str, tmp_path: Path, name: str) -> None:
-    sinks = _sinks(tmp_path)
+def test_an_exporter_writes_what_reads_back(
+    prefect_server: str, mlflow_server: MlflowServer, tmp_path: Path, name: str
+) -> None:
+    sinks = _sinks(tmp_path, mlflow_server.url)
     record = _record(f"x{uuid.uuid4().hex[:8]}")
     [exporter] = [e for e in build_exporters(sinks) if e.name == name]
-    lock = {"wandb": f"wandb-{record.run}-eval"}.get(name)
+    tb_dir = str(tmp_path / "results" / record.run / "tensorboard")
+    lock = {
+        "wandb": f"wandb-{record.run}-eval",
+        "mlflow": f"mlflow-{record.run}",
+        "tensorboard": f"tensorboard-{hashlib.sha256(tb_dir.encode()).hexdigest()[:16]}",
+    }.get(name)
     assert exporter.exclusive(record) == lock
     store = sinks.results_store()
     assert store is not None
@@ -241,14 +281,25 @@ def test_a_sinks_block_saved_with_todays_fields_loads_and_builds_every_exporter(
         "results_root": str(tmp_path / "results"),
         "results_endpoint_url": None,
         "wandb_samples_per_dataset": 3,
+        "mlflow_tracking_uri": "http://127.0.0.1:5000",
+        "mlflow_experiment": "rl",
+        "mlflow_run_id": "0123abcd",
+        "mlflow_username": "alice",
+        "mlflow_samples_per_dataset": 4,
+        "tensorboard": True,
+        "tensorboard_dir": str(tmp_path / "tb"),
     }
-    SinksBlock(**fields).save(name)
+    secrets = {"mlflow_password": SecretStr("pw-9f3"), "mlflow_token": SecretStr("tok-5e1")}
+    SinksBlock(**fields, **secrets).save(name)
     loaded = cast(SinksBlock, SinksBlock.load(name))
     assert loaded.model_dump(include=set(fields)) == fields
+    assert {k: cast(SecretStr, getattr(loaded, k)).get_secret_value() for k in secrets} == {
+        "mlflow_password": "pw-9f3", "mlflow_token": "tok-5e1"}
     exporters = build_exporters(loaded)
-    assert [e.name for e in exporters] == ["results", "samples", "wandb", "artifacts"]
-    wandb = exporters[2]
+    assert [e.name for e in exporters] == ["results", "samples", "wandb", "mlflow", "tensorboard", "artifacts"]
+    wandb, mlflow = exporters[2], exporters[3]
     assert wandb.exclusive(_record("exp")) == "wandb-train-7-eval"
+    assert mlflow.exclusive(_record("exp")) is None  # into the trainer's run: no find-or-create
     assert SinksBlock.load(name).wandb_samples_per_dataset == 3  # type: ignore[attr-defined]
     bare = build_exporters(SinksBlock())  # nothing configured: the artifacts and samples artifact only
     assert [e.name for e in bare] == ["samples", "artifacts"]
