@@ -128,6 +128,7 @@ def _read_mlflow(sinks: SinksBlock, record: PointRecord) -> None:
 def _read_tensorboard(sinks: SinksBlock, record: PointRecord) -> None:
     logdir = Path(cast(str, sinks.results_root)) / record.run / "tensorboard"
     assert scalars(logdir) == {"eval/add": [(STEP, 0.6667)], "eval/step": [(STEP, STEP)]}
+    assert [oct(p.stat().st_mode & 0o777) for p in (logdir.parent, logdir)] == ["0o700", "0o700"]  # made private
 
 
 def _read_results(sinks: SinksBlock, record: PointRecord) -> None:
