@@ -1,9 +1,8 @@
 """A real MLflow tracking server for tests and the sink bench: `mlflow server` on 127.0.0.1.
 
 SQLite backend store and a local artifact root under the given directory, one worker; started in
-its own process group, ready once `/health` answers 200, killed by its group id. Use the
-module-scoped fixture `mlflow_server` (`from tests.mlflow_server import mlflow_server`): the server
-takes seconds to start.
+its own process group, ready once `/health` answers 200, killed by its group id. Start it once per
+module (`served`, in a module-scoped fixture): it takes seconds to start.
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ class MlflowServer:
         self.proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """For a module-scoped fixture: `yield from served(tmp_path_factory)`."""
     server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
     try:
         yield server

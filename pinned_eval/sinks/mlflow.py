@@ -7,7 +7,8 @@ Runs (`SinksBlock.mlflow_*`):
   `<run>-eval` and tagged `pinned_eval.run = <run>`; the first point creates it, later ones find it
   again by that tag (one run per training run, not per point) and mark it FINISHED after logging.
   Find-or-create has one writer at a time: the exporter declares the lock `mlflow-<run>`
-  (`exclusive`), which the log task holds around each attempt.
+  (`exclusive`), which the log task holds around each attempt. A process remembers the run it
+  found (two requests fewer per point) until a write to it fails.
 
 Every metric of the point's ledger rows is logged with one `log_batch` at `step = record.step`
 (so `eval/step` too), under the same name, except that characters MLflow refuses in a name
@@ -51,6 +52,7 @@ HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF
             "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 _REFUSED = re.compile(r"[^/\w.\- :]")
 _ENV_LOCK = threading.Lock()
+_OWN_RUNS: dict[tuple[str, str, str], str] = {}  # (tracking URI, experiment, run) -> its own run's id
 
 
 def mlflow_key(name: str) -> str:
@@ -142,17 +144,25 @@ class MlflowExporter(BaseExporter):
             merged.update(r.metrics)
         now = int(time.time() * 1000)
         metrics = [Metric(mlflow_key(k), float(v), now, record.step) for k, v in merged.items()]
+        own = (self.config.tracking_uri, self.config.experiment, record.run)
         with client_environment(self.config.environment()):
             client = MlflowClient(tracking_uri=self.config.tracking_uri)
-            run_id = self.config.run_id or self.own_run(client, record.run)
-            for i in range(0, len(metrics), BATCH):
-                client.log_batch(run_id, metrics=metrics[i : i + BATCH])
-            if record.measured and record.samples is not None and self.config.samples_per_dataset > 0:
-                for ds, (columns, data) in first_samples(record.samples.rows, self.config.samples_per_dataset).items():
-                    table = json.dumps({"columns": columns, "data": data}, default=str)
-                    client.log_text(run_id, table, samples_artifact(record.step, ds))
+            run_id = self.config.run_id or _OWN_RUNS.get(own) or self.own_run(client, record.run)
+            try:
+                for i in range(0, len(metrics), BATCH):
+                    client.log_batch(run_id, metrics=metrics[i : i + BATCH])
+                if record.measured and record.samples is not None and self.config.samples_per_dataset > 0:
+                    n = self.config.samples_per_dataset
+                    for ds, (columns, data) in first_samples(record.samples.rows, n).items():
+                        table = json.dumps({"columns": columns, "data": data}, default=str)
+                        client.log_text(run_id, table, samples_artifact(record.step, ds))
+                if not self.config.run_id:
+                    client.set_terminated(run_id, "FINISHED")
+            except Exception:
+                _OWN_RUNS.pop(own, None)  # deleted meanwhile? the retry looks it up again
+                raise
             if not self.config.run_id:
-                client.set_terminated(run_id, "FINISHED")
+                _OWN_RUNS[own] = run_id
 
     def own_run(self, client: Any, run: str) -> str:
         """The run of `run` in the experiment, found by its tag, else created (under `exclusive`)."""

@@ -4,8 +4,9 @@ One contract for each: built from a sinks block that configures every exporter, 
 declares its lock, exports one measured point with nothing to report, and what it wrote reads back
 exactly: W&B offline run files (`tests.wandb_offline`), a real MLflow tracking server
 (`tests.mlflow_server`, read back through `MlflowClient`), TensorBoard event files (read back with
-TensorBoard's own `EventAccumulator`), the samples Parquet file, the Prefect artifacts. A newly registered exporter fails `test_every_exporter_is_read_back` until it gets a
-reader here. Also: a sinks block document saved with today's fields loads and builds them all.
+TensorBoard's own `EventAccumulator`), the samples Parquet file, the Prefect artifacts. A newly
+registered exporter fails `test_every_exporter_is_read_back` until it gets a reader here. Also: a
+sinks block document saved with today's fields loads and builds them all.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 from prefect import flow
-from pydantic import SecretStr
 from prefect.artifacts import Artifact
+from pydantic import SecretStr
 
 import tasks.log  # noqa: F401 - importing it registers the Prefect-side exporters
 from blocks import SinksBlock
@@ -31,11 +32,16 @@ from pinned_eval.results.store import SAMPLES
 from pinned_eval.results.tables import table_key
 from pinned_eval.sinks import EXPORTERS, Ledger, MetricRow, PointRecord, PointSamples, build_exporters, export_all
 from tasks.results import write_sample_rows
-from tests.mlflow_server import MlflowServer, mlflow_server  # noqa: F401 - the fixture
+from tests.mlflow_server import MlflowServer, served
 from tests.tensorboard_events import scalars
 from tests.wandb_offline import history_rows, logged_tables, runs
 
 STEP = 4
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    yield from served(tmp_path_factory)
 
 
 def _sample_row(ds: str, example: int, sample: int, reward: float) -> dict[str, Any]:

@@ -12,6 +12,7 @@ error (`sink_errors`, `eval/sink_failed_mlflow`), and TensorBoard still got it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,16 @@ from blocks import FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.sinks import Ledger, mlflow_key
 from pinned_eval.sinks.tensorboard import EVAL_SUBDIR
-from tests.mlflow_server import MlflowServer, mlflow_server  # noqa: F401 - the fixture
+from tests.mlflow_server import MlflowServer, served
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
 from tests.tensorboard_events import scalars
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    yield from served(tmp_path_factory)
 
 
 def _point(env: PointEnv, step: int, tiny: Path) -> str:
