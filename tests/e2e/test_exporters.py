@@ -310,3 +310,24 @@ def test_a_sinks_block_saved_with_todays_fields_loads_and_builds_every_exporter(
     assert SinksBlock.load(name).wandb_samples_per_dataset == 3  # type: ignore[attr-defined]
     bare = build_exporters(SinksBlock())  # nothing configured: the artifacts and samples artifact only
     assert [e.name for e in bare] == ["samples", "artifacts"]
+
+
+def test_mlflow_finds_its_own_run_again_by_its_tag_in_a_new_process(mlflow_server: MlflowServer) -> None:
+    """One run per training run, not per point: a process that has not seen the run (its memory of
+    found runs cleared) finds the run the first point created by its `pinned_eval.run` tag."""
+    from mlflow import MlflowClient
+
+    from pinned_eval.sinks import mlflow as mlflow_sink
+
+    run = f"x{uuid.uuid4().hex[:8]}"
+    exporter = mlflow_sink.MlflowExporter(mlflow_sink.MlflowConfig(tracking_uri=mlflow_server.url, experiment=run))
+    for step in (4, 6):
+        mlflow_sink._OWN_RUNS.clear()
+        row = MetricRow(run=run, step=step, dataset="add", state="measured", metrics={"eval/add": step / 10})
+        assert export_all([exporter], PointRecord(run, step, [row])) == {}
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    experiment = client.get_experiment_by_name(run)
+    assert experiment is not None
+    [found] = client.search_runs([experiment.experiment_id])
+    assert found.data.tags["pinned_eval.run"] == run
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "eval/add")] == [(4, 0.4), (6, 0.6)]
