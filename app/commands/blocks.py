@@ -199,14 +199,35 @@ def save_sinks(
     results_s3_bucket_block: Annotated[str | None, typer.Option("--results-s3-bucket-block", help="A saved "
                                                                 "prefect-aws S3Bucket block as the results root "
                                                                 "instead of --results-root.")] = None,
+    mlflow_tracking_uri: Annotated[str | None, typer.Option("--mlflow-tracking-uri", help="MLflow tracking "
+                                                            "server http(s)://HOST:PORT (unset: no MLflow).")] = None,
+    mlflow_experiment: Annotated[str, typer.Option("--mlflow-experiment", help="Experiment of the eval run "
+                                                   "(without --mlflow-run-id).")] = "pinned-eval",
+    mlflow_run_id: Annotated[str | None, typer.Option("--mlflow-run-id", help="The training run's MLflow run "
+                                                      "id (default: a run <run>-eval of its own).")] = None,
+    mlflow_username: Annotated[str | None, typer.Option("--mlflow-username", help="MLflow basic-auth user.")] = None,
+    mlflow_credentials_from_env: Annotated[bool, typer.Option("--mlflow-credentials-from-env", help="Store "
+                                           "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD of this "
+                                           "shell (as secrets).")] = False,
+    mlflow_samples_per_dataset: Annotated[int, typer.Option("--mlflow-samples-per-dataset", help="Samples per "
+                                                            "dataset in the point's MLflow table.")] = 0,
+    tensorboard: Annotated[bool, typer.Option("--tensorboard", help="TensorBoard scalars in "
+                                              "<results-root>/<run>/tensorboard.")] = False,
+    tensorboard_dir: Annotated[Path | None, typer.Option("--tensorboard-dir", help="The trainer's TensorBoard "
+                                                         "log directory (points write its eval/).")] = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Save sinks: a JSONL metrics file and/or W&B (Prefect artifacts are always written)."""
+    """Save sinks: a JSONL metrics file, W&B, MLflow and/or TensorBoard (Prefect artifacts are always written)."""
     _save("sinks", name, {
         "jsonl": jsonl, "wandb_project": wandb_project, "wandb_entity": wandb_entity,
         "wandb_run_id": wandb_run_id, "wandb_writer": wandb_writer, "wandb_mode": wandb_mode,
         "wandb_dir": wandb_dir, "results_root": results_root, "results_endpoint_url": results_endpoint_url,
         "results_s3_bucket_block": results_s3_bucket_block,
+        "mlflow_tracking_uri": mlflow_tracking_uri, "mlflow_experiment": mlflow_experiment,
+        "mlflow_run_id": mlflow_run_id, "mlflow_username": mlflow_username,
+        "mlflow_credentials_from_env": mlflow_credentials_from_env,
+        "mlflow_samples_per_dataset": mlflow_samples_per_dataset, "tensorboard": tensorboard,
+        "tensorboard_dir": tensorboard_dir,
     }, overwrite)
 
 

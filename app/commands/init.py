@@ -54,6 +54,9 @@ sinks:                       # where metrics go besides the Prefect UI
   # results_s3_bucket_block: my-bucket  # or a prefect-aws S3Bucket block as the results root
   # wandb_project: my-project
   # wandb_mode: offline      # offline, online or disabled
+  # mlflow_tracking_uri: http://127.0.0.1:5000   # MLflow (pip install 'pinned-eval[mlflow]')
+  # mlflow_run_id: <the training run's MLflow run id>   # unset: a run <run>-eval of its own
+  # tensorboard_dir: runs/exp1   # the trainer's TensorBoard logdir (pip install 'pinned-eval[tensorboard]')
 """
 
 EVAL_CONFIG = """\
