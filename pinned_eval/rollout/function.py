@@ -22,6 +22,10 @@ Contract:
   gateway's transcript of the sample (calls made in its session or naming its routing key) is
   kept as `messages` and counted as `turns`; an agent function's sample (miles' hub
   `agentic_tool_call`) takes its response, status and weight versions from the last reply there.
+- the runner's import roots: the constructor's `python_path`, then the datasets' (`python_path`,
+  by default the YAML's directory: the roots the suite-load check used), each checked by
+  `pinned_eval.agentic.imports.check_import_roots`; its interpreter the datasets' `miles_python`
+  (else this one). A refused root or interpreter is the skip `agent_error`, before anything runs.
 - the gateway's limits: the constructor's `limits`, else the datasets' `agent_*` fields (the
   suite's, `gateway_limits`); a sample's deadline `sample_timeout_s`, else its dataset's
   `agent_sample_timeout_s`.
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pinned_eval.agentic.client import AgentError, AgentRunner
+from pinned_eval.agentic.imports import check_import_roots, check_interpreter, runner_settings
 from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.prompts import PromptRenderer
@@ -128,15 +133,22 @@ class FunctionRollout:
             (ds.name, s.index): renderer.render(ds, s).text if ds.apply_chat_template else s.prompt
             for ds in datasets for s in rows[ds.name]
         }
+        try:
+            roots, python = runner_settings(datasets)
+            roots = check_import_roots([*self.python_path, *(r for r in roots if r not in self.python_path)])
+            if python is not None:
+                check_interpreter(python)
+        except ValueError as exc:
+            raise EvalSkipped(SkipReason.AGENT_ERROR, f"generate-function runner: {exc}") from None
         async with PointGateway(session, self.limits or gateway_limits(datasets)) as gateway:
             url = urlsplit(gateway.base_url)
             init = {
                 "miles_args": {"sglang_router_ip": url.hostname, "sglang_router_port": url.port,
                                "hf_checkpoint": session.tokenizer_dir},
                 "gateway": {"base_url": gateway.base_url, "token": gateway.token},
-                "python_path": self.python_path,
+                "python_path": roots,
             }
-            async with AgentRunner(init, memory_bytes=self.memory_bytes) as runner:
+            async with AgentRunner(init, memory_bytes=self.memory_bytes, python=python) as runner:
 
                 async def produce(ds: ResolvedDataset, row: EvalSample, j: int) -> list[Sample]:
                     key = f"{ds.name}-{row.index}-{j}"
