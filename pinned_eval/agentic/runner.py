@@ -29,7 +29,8 @@ code prints goes to stderr, so it cannot forge an event):
 - `args` (miles' namespace, §1.7 names): `DEFAULT_ARGS`, then the init's `miles_args`, then the
   request's `args`; `sglang_router_ip/port` name the point gateway.
 `python -m pinned_eval.agentic.runner --check PATH... [--python-path DIR]...` imports each function
-path with the surface installed and those roots first on `sys.path`, and prints one JSON line: `{"ok": true}` or `{"ok": false, "path", "message"}`.
+path with the surface installed and those roots first on `sys.path`, and prints one JSON line:
+`{"ok": true}` or `{"ok": false, "path", "message"}`.
 """
 
 from __future__ import annotations

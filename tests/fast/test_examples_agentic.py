@@ -1,6 +1,6 @@
 """examples/agentic loads as its README says: `pinned-eval suite miles examples/agentic/eval.yaml`
-(no PYTHONPATH: the YAML's directory is the import root), both datasets agentic, the gateway limits from the YAML. (It runs
-in a real flow run in tests/e2e/test_agentic_point.py.)"""
+(no PYTHONPATH: the YAML's directory is the import root), both datasets agentic, the gateway
+limits from the YAML. (It runs in a real flow run in tests/e2e/test_agentic_point.py.)"""
 
 from __future__ import annotations
 

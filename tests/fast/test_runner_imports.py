@@ -118,7 +118,8 @@ async def test_a_root_others_can_write_is_refused_at_load_and_at_the_point(
 
 def test_runners_disagreeing_on_the_interpreter_are_refused(tmp_path: Path) -> None:
     text = (f"eval:\n  defaults: {{rm_type: math}}\n  datasets:\n"
-            f"    - {{name: a, path: {tmp_path}/a.jsonl, custom_generate_function_path: m.g, miles_python: /x/python}}\n"
+            f"    - {{name: a, path: {tmp_path}/a.jsonl, custom_generate_function_path: m.g,"
+            f" miles_python: /x/python}}\n"
             f"    - {{name: b, path: {tmp_path}/b.jsonl, custom_generate_function_path: m.g}}\n")
     with pytest.raises(ValueError, match=r"miles_python: one generate-function runner per point serves datasets"):
         EvalSuite.from_miles_yaml(text, check_imports=False)
