@@ -88,6 +88,9 @@ MILES_KEYS = {
     # the generate-function runner's import roots and interpreter (pinned-eval extension keys)
     "python_path": "python_path",
     "miles_python": "miles_python",
+    # miles' --reward-key / --eval-reward-key (CLI flags there: pinned-eval extension keys here)
+    "reward_key": "reward_key",
+    "eval_reward_key": "eval_reward_key",
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
 UNSUPPORTED_UNLESS_EMPTY = ("stop_token_ids", "min_new_tokens")

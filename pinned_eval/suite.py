@@ -143,6 +143,12 @@ class _SamplingFields(BaseModel):
     miles_python: str | None = Field(
         default=None, min_length=1, description="Python interpreter that runs generate functions (a miles venv's)."
     )
+    reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
+    )
+    eval_reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -230,6 +236,12 @@ class SamplingFallbacks(BaseModel):
         default=None, description="Import roots of generate functions; None: the suite's base_dir (the YAML's)."
     )
     miles_python: str | None = Field(default=None, description="Interpreter that runs generate functions.")
+    reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
+    )
+    eval_reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
+    )
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)
@@ -346,8 +358,8 @@ class EvalSuite(BaseModel):
         return SimpleNamespace(
             rm_type=None if custom else ds.reward,
             custom_rm_path=custom,
-            reward_key=None,
-            eval_reward_key=None,
+            reward_key=ds.reward_key,
+            eval_reward_key=ds.eval_reward_key,
             rm_url=str(self.remote_reward.url) if self.remote_reward else None,
             n_samples_per_eval_prompt=ds.n_samples_per_prompt,
             eval_temperature=ds.temperature,

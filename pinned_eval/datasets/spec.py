@@ -88,6 +88,8 @@ class ResolvedDataset(BaseModel):
     miles_python: str | None = Field(
         default=None, description="Interpreter of the generate-function runner (a miles venv's python); None: ours."
     )
+    reward_key: str | None = Field(default=None, description="miles --reward-key: the scalar of a dict reward.")
+    eval_reward_key: str | None = Field(default=None, description="miles --eval-reward-key (default: reward_key).")
 
     @property
     def rollout(self) -> str:

@@ -16,7 +16,9 @@ Contract:
   gateway's per-sample key.
 - `produce` sends one sample and awaits its `Sample`s: several when the function returns a list
   (multi-agent), each kept as an eval sample as miles does. A reward set during generation is
-  kept; the dataset's reward scores the others in the runner (ABORTED ones get none); `status`
+  kept; the dataset's reward scores the others in the runner (ABORTED ones get none); a dict
+  reward counts by its `eval_reward_key or reward_key` entry (`scoring.miles_custom.reward_value`,
+  miles' eval rule), anything but a number is `agent_error`; `status`
   is miles' status name and `finish_reason` the one it implies (truncated -> `length`). Each
   sample gets its own gateway session (`session_url`, the agent function's `base_url`); the
   gateway's transcript of the sample (calls made in its session or naming its routing key) is
@@ -52,6 +54,8 @@ from pinned_eval.prompts import PromptRenderer
 from pinned_eval.rollout.session import PointSession
 from pinned_eval.rollout.single_turn import sampling
 from pinned_eval.rollout.types import Sample, Usage
+from pinned_eval.scoring.answers import RewardTypeError
+from pinned_eval.scoring.miles_custom import reward_value
 from pinned_eval.skips import EvalSkipped, SkipReason
 
 if TYPE_CHECKING:  # the gateway imports the rollout package (the session): imported where used
@@ -76,6 +80,8 @@ def dataset_args(ds: ResolvedDataset) -> dict[str, Any]:
         "rollout_top_k": ds.top_k,
         "rollout_stop": list(ds.stop) or None,
         "n_samples_per_eval_prompt": ds.n_samples_per_prompt,
+        "reward_key": ds.reward_key,
+        "eval_reward_key": ds.eval_reward_key,
     }
     for flag in ("generate_max_turns", "generate_tool_specs_path", "generate_tool_call_parser",
                  "generate_execute_tool_function_path", "custom_agent_function_path"):
@@ -193,12 +199,12 @@ def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], c
         rec = {**rec, "response": last.get("text") or "", "response_length": last.get("completion_tokens") or 0,
                "status": "truncated" if last.get("finish_reason") == "length" else "completed",
                "weight_versions": [c["weight_version"] for c in calls if c.get("weight_version")]}
-    reward = rec.get("reward")
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+    try:  # miles' eval: reward[eval_reward_key or reward_key] for a dict reward
+        reward = reward_value("of the generate function", rec.get("reward"), ds.eval_reward_key or ds.reward_key)
+    except RewardTypeError as exc:
         raise EvalSkipped(
-            SkipReason.AGENT_ERROR,
-            f"dataset {ds.name!r} sample {row.index} (j={j}): TypeError: reward {reward!r:.80} is not a number",
-        )
+            SkipReason.AGENT_ERROR, f"dataset {ds.name!r} sample {row.index} (j={j}): TypeError: {exc}"[:900]
+        ) from None
     status = rec.get("status")
     versions = rec.get("weight_versions") or []
     prompt = rec.get("prompt")
@@ -214,7 +220,7 @@ def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], c
         finish_reason=FINISH_OF_STATUS.get(str(status)),
         weight_version=versions[-1] if versions else None,
         status=status,
-        reward=None if reward is None else float(reward),
+        reward=reward,
         turns=len(calls),
         messages=calls or None,
         usage=Usage(requests=len(calls)),
