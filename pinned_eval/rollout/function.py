@@ -10,9 +10,11 @@ Contract:
   string or a message list); `metadata` holds the row's tools; `label` its JSON value.
 - miles' `args` (`pinned_eval.agentic.runner.DEFAULT_ARGS`): the router is the gateway; the
   dataset's reward as `rm_type` / `custom_rm_path`; `hf_checkpoint` the pinned snapshot; the
-  dataset's generate-function flags (`generate_max_turns`, ...). `sampling_params` are the
-  dataset's (`single_turn.sampling`, seed i * 1000 + j), plus miles' `no_stop_trim` and
-  `spaces_between_special_tokens`. The sample's routing key is `<dataset>-<i>-<j>`, the
+  dataset's generate-function flags (`generate_max_turns`, ...). `sampling_params` are miles'
+  `compute_sampling_params` of the dataset: temperature, top_p, top_k, max_new_tokens, `stop`
+  (None when empty), `stop_token_ids` None, `skip_special_tokens` False (so a response keeps its
+  EOS text, as miles' does), `no_stop_trim`, `spaces_between_special_tokens` False
+  (`MILES_SAMPLING`), plus `sampling_seed` i * 1000 + j. The sample's routing key is `<dataset>-<i>-<j>`, the
   gateway's per-sample key.
 - `produce` sends one sample and awaits its `Sample`s: several when the function returns a list
   (multi-agent), each kept as an eval sample as miles does. A reward set during generation is
@@ -63,6 +65,11 @@ if TYPE_CHECKING:  # the gateway imports the rollout package (the session): impo
 
 __all__ = ["FINISH_OF_STATUS", "FunctionRollout", "dataset_args", "gateway_limits"]
 
+# what miles' `compute_sampling_params` adds to the eval's temperature / top_p / top_k / max_new_tokens
+# (`rollout_stop_token_ids`, `rollout_skip_special_tokens` at miles' defaults): the response keeps
+# the EOS text as miles' does
+MILES_SAMPLING: dict[str, Any] = {"stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+                                  "spaces_between_special_tokens": False}
 FINISH_OF_STATUS = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "failed"}
 
 
@@ -158,8 +165,8 @@ class FunctionRollout:
 
                 async def produce(ds: ResolvedDataset, row: EvalSample, j: int) -> list[Sample]:
                     key = f"{ds.name}-{row.index}-{j}"
-                    params = {**sampling(ds, seed=row.index * 1000 + j), "no_stop_trim": True,
-                              "spaces_between_special_tokens": False}
+                    params = {**sampling(ds, seed=row.index * 1000 + j), **MILES_SAMPLING,
+                              "stop": list(ds.stop) or None}
                     request = {
                         "function": ds.generate_function,
                         "args": dataset_args(ds),

@@ -139,9 +139,9 @@ def test_agentic_point_is_measured_at_the_pinned_version_with_the_tool_run_in_th
     by = {s["dataset"]: s for s in samples}
     assert by["retool"]["response"].startswith(CALL)
     assert "Output:\n42" in by["retool"]["response"]  # print(6*7) ran in the sandbox
-    assert by["retool"]["response"].endswith("So the answer is \\boxed{42}.")
-    assert by["retool_custom"]["response"] == (f"{CALL}\n<tool_response>\nOutput:\n42\n</tool_response>\n"
-                                               "So the answer is \\boxed{42}.")
+    assert by["retool"]["response"].endswith("So the answer is \\boxed{42}.</s>")  # EOS text kept, as in miles
+    assert by["retool_custom"]["response"] == (f"{CALL}</s>\n<tool_response>\nOutput:\n42\n</tool_response>\n"
+                                               "So the answer is \\boxed{42}.</s>")
     assert {d: (s["weight_version"], s["reward"]) for d, s in by.items()} == {
         "retool": ("3", 1.0), "retool_custom": ("3", 1.0), "plain": ("3", 1.0)}
 
