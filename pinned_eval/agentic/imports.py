@@ -49,9 +49,10 @@ __all__ = [
 
 CHECK_TIMEOUT_S = 120.0
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# `python -c` puts the working directory first on sys.path: drop it before any import (only the
-# builtin `sys` is imported first), then run the runner module as `python -m` would
-_BOOT = ("import sys; del sys.path[0]; import runpy; "
+# `python -c` puts the working directory ('') first on sys.path (not under -P / PYTHONSAFEPATH):
+# drop it before any import (only the builtin `sys` is imported first), then run the runner
+# module as `python -m` would
+_BOOT = ("import sys\nif sys.path and sys.path[0] == '': del sys.path[0]\nimport runpy\n"
          "runpy.run_module('pinned_eval.agentic.runner', run_name='__main__', alter_sys=True)")
 
 

@@ -94,8 +94,12 @@ async def test_explicit_python_path_resolves_against_the_yaml_and_replaces_its_d
 
 def test_the_working_directory_is_not_an_import_root(tmp_path: Path, elsewhere: Path) -> None:
     (elsewhere / "incwd.py").write_text(MODULE.format(tag="cwd"))
+    marker = tmp_path / "shadowed"
+    for name in ("json", "runpy", "pinned_eval"):  # a neighbour's stdlib / package shadows in the cwd
+        (elsewhere / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
     with pytest.raises(ValueError, match=r"^dataset 'fn': 'incwd.generate': .*No module named 'incwd'"):
         EvalSuite.from_miles_yaml(_yaml(tmp_path, "incwd.generate").read_text())  # text: no YAML directory
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
