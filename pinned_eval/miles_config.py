@@ -27,7 +27,8 @@ by `EvalSuite`):
   `generate_function`, miles' generate-function flags set per dataset (`generate_max_turns`,
   `generate_tool_specs_path`, `generate_tool_call_parser`, `generate_execute_tool_function_path`,
   `custom_agent_function_path`: on the
-  miles CLI they are flags, not eval-config keys) and `rm_type: exact_match`) are refused with
+  miles CLI they are flags, not eval-config keys), the runner's `python_path` / `miles_python`
+  and `rm_type: exact_match`) are refused with
   `strict_miles=True`, so a config that loads strictly means the same to miles.
 """
 
@@ -84,6 +85,12 @@ MILES_KEYS = {
     # the point gateway's limits (pinned-eval extension keys, docs/agentic.md)
     **{k: k for k in ("agent_max_requests", "agent_max_tokens", "agent_max_turns", "agent_max_tokens_per_sample",
                       "agent_sample_wall_s", "agent_sample_timeout_s")},
+    # the generate-function runner's import roots and interpreter (pinned-eval extension keys)
+    "python_path": "python_path",
+    "miles_python": "miles_python",
+    # miles' --reward-key / --eval-reward-key (CLI flags there: pinned-eval extension keys here)
+    "reward_key": "reward_key",
+    "eval_reward_key": "eval_reward_key",
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
 UNSUPPORTED_UNLESS_EMPTY = ("stop_token_ids", "min_new_tokens")

@@ -135,6 +135,20 @@ class _SamplingFields(BaseModel):
     agent_sample_timeout_s: float | None = Field(
         default=None, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
     )
+    python_path: tuple[str, ...] | None = Field(
+        default=None,
+        description="Import roots of generate functions (relative: against the YAML's directory); "
+        "unset: the YAML's directory.",
+    )
+    miles_python: str | None = Field(
+        default=None, min_length=1, description="Python interpreter that runs generate functions (a miles venv's)."
+    )
+    reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
+    )
+    eval_reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -218,11 +232,22 @@ class SamplingFallbacks(BaseModel):
     agent_sample_timeout_s: float = Field(
         default=600.0, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
     )
+    python_path: tuple[str, ...] | None = Field(
+        default=None, description="Import roots of generate functions; None: the suite's base_dir (the YAML's)."
+    )
+    miles_python: str | None = Field(default=None, description="Interpreter that runs generate functions.")
+    reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
+    )
+    eval_reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
+    )
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)
 GATEWAY_FIELDS = ("agent_max_requests", "agent_max_tokens", "agent_max_turns", "agent_max_tokens_per_sample",
                   "agent_sample_wall_s")
+RUNNER_FIELDS = ("python_path", "miles_python")  # one runner per point serves every agentic dataset
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -264,11 +289,12 @@ class EvalSuite(BaseModel):
     def _one_gateway(self) -> EvalSuite:
         """One gateway per point serves every agentic dataset: its limits must agree across them."""
         agentic = [ds for ds in self.resolved() if ds.generate_function is not None]
-        for field in GATEWAY_FIELDS:
+        for field in GATEWAY_FIELDS + RUNNER_FIELDS:
             values = {getattr(ds, field) for ds in agentic}
             if len(values) > 1:
                 names = [ds.name for ds in agentic]
-                raise ValueError(f"{field}: one gateway per point serves datasets {names}; "
+                what = "gateway" if field in GATEWAY_FIELDS else "generate-function runner"
+                raise ValueError(f"{field}: one {what} per point serves datasets {names}; "
                                  f"they set different values {sorted(values, key=str)}; set it once in defaults")
         return self
 
@@ -291,6 +317,10 @@ class EvalSuite(BaseModel):
                 if value is None:
                     value = getattr(self.fallbacks, field)
                 values[field] = value
+            values["python_path"] = self.import_roots(values["python_path"])
+            if values["miles_python"] is not None:
+                values["miles_python"] = str((Path(self.base_dir or ".") / Path(values["miles_python"]).expanduser())
+                                             .absolute())
             out.append(
                 ResolvedDataset(
                     name=ds.name, path=self._resolve_path(ds.path), every_n_steps=ds.every_n_steps, **values
@@ -303,6 +333,16 @@ class EvalSuite(BaseModel):
         when no dataset is due there."""
         due = tuple(ds for ds in self.datasets if ds.due(step, final=final))
         return self.model_copy(update={"datasets": due}) if due else None
+
+    def import_roots(self, python_path: tuple[str, ...] | None) -> tuple[str, ...]:
+        """The generate-function runner's import roots: each `python_path` entry made absolute
+        against `base_dir` (else the working directory); unset: `base_dir` alone (a module beside
+        the YAML imports as miles' examples do with their directory on PYTHONPATH), or none
+        without a `base_dir`. The same roots serve the load check and every point."""
+        if python_path is None:
+            return (str(Path(self.base_dir).expanduser().absolute()),) if self.base_dir else ()
+        base = Path(self.base_dir or ".").expanduser()
+        return tuple(str((base / Path(p).expanduser()).absolute()) for p in python_path)
 
     def _resolve_path(self, raw: str) -> Path:
         if raw.startswith(BUILTIN_PREFIX):
@@ -318,8 +358,8 @@ class EvalSuite(BaseModel):
         return SimpleNamespace(
             rm_type=None if custom else ds.reward,
             custom_rm_path=custom,
-            reward_key=None,
-            eval_reward_key=None,
+            reward_key=ds.reward_key,
+            eval_reward_key=ds.eval_reward_key,
             rm_url=str(self.remote_reward.url) if self.remote_reward else None,
             n_samples_per_eval_prompt=ds.n_samples_per_prompt,
             eval_temperature=ds.temperature,
@@ -401,7 +441,7 @@ class EvalSuite(BaseModel):
         if check_imports:
             from pinned_eval.agentic.imports import check_generate_imports
 
-            check_generate_imports(suite.resolved(), cwd=suite.base_dir)
+            check_generate_imports(suite.resolved())
         return suite
 
 

@@ -82,6 +82,14 @@ class ResolvedDataset(BaseModel):
     agent_max_tokens_per_sample: int | None = Field(default=None, ge=1, description="Tokens per agentic sample.")
     agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
     agent_sample_timeout_s: float = Field(default=600.0, gt=0, description="Seconds per generate-function call.")
+    python_path: tuple[str, ...] = Field(
+        default=(), description="Absolute import roots of the generate-function runner (docs/agentic.md)."
+    )
+    miles_python: str | None = Field(
+        default=None, description="Interpreter of the generate-function runner (a miles venv's python); None: ours."
+    )
+    reward_key: str | None = Field(default=None, description="miles --reward-key: the scalar of a dict reward.")
+    eval_reward_key: str | None = Field(default=None, description="miles --eval-reward-key (default: reward_key).")
 
     @property
     def rollout(self) -> str:
