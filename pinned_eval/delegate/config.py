@@ -39,7 +39,8 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 class _Runtime(BaseModel):
-    """The generation fields miles sends per benchmark (None: not set at this level)."""
+    """The generation fields miles sends per benchmark. `unset`: the fields the YAML did not name
+    (they inherit; one named with null stays null and is left out of the request, as in miles)."""
 
     model_config = _FROZEN
 
@@ -48,13 +49,13 @@ class _Runtime(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     max_response_len: int | None = Field(default=None, ge=1)
+    unset: tuple[str, ...] = _RUNTIME
 
 
 class DelegateDataset(_Runtime):
-    """One benchmark of a delegate. `unset`: the fields the YAML did not name (they inherit)."""
+    """One benchmark of a delegate."""
 
     name: str = Field(min_length=1)
-    unset: tuple[str, ...] = ()
 
     @field_validator("name", mode="before")
     @classmethod
@@ -102,7 +103,7 @@ class DelegateSpec(BaseModel):
             for field in _RUNTIME:
                 if field not in ds.unset:
                     value = getattr(ds, field)
-                elif field in self.defaults.model_fields_set:
+                elif field not in self.defaults.unset:
                     value = getattr(self.defaults, field)
                 else:
                     value = getattr(fallbacks, FALLBACK_OF[field])
@@ -159,7 +160,9 @@ def parse_delegates(where: str, raw: Any, *, strict_miles: bool = False) -> tupl
         extra = [str(k) for k in defaults if k not in _RUNTIME]
         if extra:
             raise ValueError(f"{at}.defaults.{extra[0]}: not supported (delegate defaults set {list(_RUNTIME)})")
-        fields = {**entry, "name": name, "datasets": parsed, "defaults": _model(_Runtime, f"{at}.defaults", defaults),
+        unset = tuple(f for f in _RUNTIME if f not in defaults)
+        runtime = _model(_Runtime, f"{at}.defaults", {**defaults, "unset": unset})
+        fields = {**entry, "name": name, "datasets": parsed, "defaults": runtime,
                   "headers": entry.get("headers") or {}}
         spec = _model(DelegateSpec, at, fields)
         if any(s.name == spec.name for s in specs):

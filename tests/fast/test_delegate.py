@@ -45,6 +45,17 @@ def test_request_body_is_byte_for_byte_miles_own() -> None:
     assert body == GOLDEN["request_body"].encode()
     # eval.defaults (temperature 0.6) is not applied to delegate datasets, as in miles
     assert [b["temperature"] for b in json.loads(body)["benchmarks"]] == [1.0, 0.0, 0.25]
+    # the suite block stores it as JSON: the same request after the round trip
+    again = EvalSuite.model_validate_json(suite.model_dump_json())
+    assert request_body(again.delegates[0], again.fallbacks, GOLDEN["rollout_id"], GOLDEN["router_url"]) == body
+
+
+def test_a_field_set_to_null_is_left_out_as_in_miles() -> None:
+    entry = _entry(defaults={"top_k": None}, datasets=[{"name": "a", "top_p": None}])
+    [spec] = parse_delegates("eval.delegate", [entry])
+    again = DelegateSpec.model_validate_json(spec.model_dump_json())
+    assert json.loads(request_body(again, SamplingFallbacks(), 1, "http://r"))["benchmarks"] == [
+        {"name": "a", "n_samples_per_eval_prompt": 1, "temperature": 1.0, "max_response_len": 1024}]
 
 
 def test_reply_metrics_are_named_as_miles_names_them() -> None:
