@@ -42,9 +42,8 @@ async def _run(
     async with fleet.client() as client:
         session = PointSession(client.generator, expected_version=version, rid_prefix=f"{rid_prefix}-delegate",
                                lora=lora)
-        session.counters.requests = prior_requests
-        run = DelegateRun(session, suite.delegates, suite.fallbacks, step, delegate_limits(suite.defaults,
-                                                                                            suite.fallbacks))
+        limits = delegate_limits(suite.defaults, suite.fallbacks)
+        run = DelegateRun(session, suite.delegates, suite.fallbacks, step, limits, prior_requests=prior_requests)
         job.append(run)
         return await run.run()
 

@@ -1,6 +1,8 @@
 """A point's delegates, one after the other, each behind its own point gateway.
 
-Contract of `DelegateRun(session, delegates, fallbacks, rollout_id, limits).run()`:
+Contract of `DelegateRun(session, delegates, fallbacks, rollout_id, limits, prior_requests=).run()`:
+- `prior_requests`: the model calls the point made before (its generation); the session's request
+  count starts there, so `limits.max_requests` bounds the whole point, not the delegates alone;
 - for each delegate (in config order, as miles calls them): start a `UrlTokenGateway` on the
   point's `session` (the pinned fleet: every call version-checked, `limits` the point's budget,
   every call recorded), post miles' request with `router_url` = that gateway's URL
@@ -58,8 +60,11 @@ class DelegateRun:
         fallbacks: Any,
         rollout_id: int,
         limits: GatewayLimits,
+        *,
+        prior_requests: int = 0,
     ) -> None:
         self.session = session
+        session.counters.requests = max(session.counters.requests, prior_requests)
         self.delegates = list(delegates)
         self.fallbacks = fallbacks
         self.rollout_id = rollout_id

@@ -28,6 +28,7 @@ from pinned_eval.fleet.errors import WeightVersionMismatch
 from pinned_eval.fleet.generate import RouterGenerator
 from pinned_eval.gateway import GatewayLimits
 from pinned_eval.rollout.session import PointSession
+from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import EvalSuite, SamplingFallbacks
 from tests.fast.test_gateway import FLEET_KEY, FakeFleet, fleet, http  # noqa: F401 - fixtures
 
@@ -128,7 +129,7 @@ class FakeDelegate:
         if path == "/evaluate":
             job = json.loads(body)
             scores = {}
-            async with httpx.AsyncClient(timeout=30) as http:
+            async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
                 for bench in job["benchmarks"]:
                     r = await http.post(f"{job['router_url']}/v1/chat/completions",
                                         headers={"Authorization": "Bearer EMPTY"},
@@ -186,16 +187,19 @@ def _spec(url: str, path: str, **over: Any) -> DelegateSpec:
     return spec
 
 
-def _run(url: str, client: httpx.AsyncClient, *specs: DelegateSpec, **limits: Any) -> DelegateRun:
+def _run(url: str, client: httpx.AsyncClient, *specs: DelegateSpec, prior: int = 0, **limits: Any) -> DelegateRun:
     session = PointSession(RouterGenerator(client, url, api_key=FLEET_KEY), expected_version="7", rid_prefix="p")
-    return DelegateRun(session, specs, SamplingFallbacks(), 7, GatewayLimits(**limits))
+    return DelegateRun(session, specs, SamplingFallbacks(), 7, GatewayLimits(**limits), prior_requests=prior)
 
 
 async def test_delegate_calls_go_through_the_gateway_at_the_pinned_version(
-    fleet: tuple[FakeFleet, str], http: httpx.AsyncClient, delegate_url: tuple[FakeDelegate, str]  # noqa: F811
+    fleet: tuple[FakeFleet, str], http: httpx.AsyncClient, delegate_url: tuple[FakeDelegate, str],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake_fleet, fleet_url = fleet
     fake, url = delegate_url
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):  # never used for a delegate
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")
     job = _run(fleet_url, http, _spec(url, "/evaluate", headers={"X-Team": "evals"}))
     metrics = await job.run()
     assert metrics == {"eval/aime25/status": 200.0, "eval/aime25/ok": 1.0, "eval/hle/status": 200.0,
@@ -246,6 +250,20 @@ async def test_the_point_budget_bounds_a_delegate(
 
     with pytest.raises(AgentBudgetExceeded, match="max_requests"):
         await _run(fleet_url, http, _spec(url, "/evaluate"), max_requests=1).run()
+    # the point's generation calls count: 2 calls fit in max_requests 2, not after 1 prior call
+    assert await _run(fleet_url, http, _spec(url, "/evaluate"), max_requests=2).run()
+    with pytest.raises(AgentBudgetExceeded, match=r"max_requests \(2\)"):
+        await _run(fleet_url, http, _spec(url, "/evaluate"), prior=1, max_requests=2).run()
+
+
+def test_a_delegate_metric_named_like_pinned_evals_own_is_delegate_failed() -> None:
+    from tasks.measure import _no_collision
+
+    own = {"arith": {"eval/arith": 1.0, "eval/arith/weight_version/mean": 3.0}}
+    _no_collision({"eval/arith/accuracy": 1.0}, own, ["skills"])
+    for key in ("eval/arith", "eval/step", "eval/skipped_busy", "eval/datasets_run"):
+        with pytest.raises(EvalSkipped, match=f"^delegate_failed: delegates \\['skills'\\]: metric '{key}' is one"):
+            _no_collision({key: 1.0}, own, ["skills"])
 
 
 @pytest.mark.parametrize(
