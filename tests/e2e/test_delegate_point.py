@@ -13,6 +13,7 @@ gateway), with the OpenAI key `EMPTY`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import uuid
@@ -27,10 +28,12 @@ import pytest
 from blocks import FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.delegate import request_body
+from pinned_eval.settings import PrefectApiSettings
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.suite import EvalSuite
 from tasks.delegate import DELEGATE_CALLS
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
+from trainer_integration.miles_adapter import AdapterConfig, PinnedEvalREST, collect_point
 
 pytestmark = pytest.mark.e2e
 YAML = Path(__file__).parent.parent / "miles_configs" / "delegate_point.yaml"
@@ -162,6 +165,17 @@ def test_delegate_is_measured_through_the_gateway_at_the_pinned_version(
         ("skills", "/v1/chat/completions", 200, "3", None)] * 6
     assert all(c["completion_tokens"] >= 1 for c in calls)
     assert "/t/" in job["router_url"] and job["router_url"].rsplit("/t/", 1)[1] not in json.dumps(calls)
+    # what the miles adapter hands back to miles: the delegate's metrics among the point's
+    out = asyncio.run(_collect(prefect_server, env.run, str(state.state_details.flow_run_id), 3))
+    assert {k: v for k, v in out.metrics.items() if k.startswith(("eval/aime25/", "eval/hle/"))} == delegated
+
+
+async def _collect(api_url: str, run: str, flow_run_id: str, step: int) -> Any:
+    auth = PrefectApiSettings().api_auth_string  # the test server's credential, from the environment
+    config = AdapterConfig(api_url=api_url, run=run, poll_interval_s=0.2, timeout_s=30, auth_string=auth)
+    async with httpx.AsyncClient(timeout=30) as http:
+        rest = PinnedEvalREST(config, http)
+        return await collect_point(rest, await rest.wait(flow_run_id), step)
 
 
 @pytest.mark.parametrize(
@@ -183,3 +197,5 @@ def test_a_failing_delegate_skips_the_point_naming_it(
     [row] = JsonlSink(env.jsonl).read(env.run)
     assert (row.state, row.reason, row.metrics["eval/skipped_delegate_failed"]) == ("skipped", "delegate_failed", 1.0)
     assert len(skills.bodies) == 1  # max_retries: 1 is one attempt, as in miles
+    calls = SinksBlock.load(env.blocks["sinks"]).results_store().read(env.run, 4, DELEGATE_CALLS)
+    assert calls.num_rows == 0  # written also for a failed delegate: this one made no model call

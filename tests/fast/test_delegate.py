@@ -118,7 +118,7 @@ class FakeDelegate:
         self.release = asyncio.Event()
         self.redirected = 0
         paths = ["/evaluate", "/error", "/garbage", "/hang", "/redirect", "/sink", "/flood", "/gzip", "/list",
-                 "/nometrics", "/strings"]
+                 "/nometrics", "/strings", "/second"]
         self.app = Starlette(routes=[Route(p, self.handle, methods=["POST"]) for p in paths])
 
     async def handle(self, request: Request) -> Response:
@@ -158,6 +158,8 @@ class FakeDelegate:
             return Response(b"\x1f\x8b", headers={"Content-Encoding": "gzip"})
         if path == "/list":
             return JSONResponse([1, 2])
+        if path == "/second":
+            return JSONResponse({"raw_metrics": {"aime25": {"other": 1}}})
         if path == "/nometrics":
             return JSONResponse({"job_id": "1"})
         return JSONResponse({"raw_metrics": {"a": "text only"}})
@@ -229,6 +231,19 @@ async def test_a_wrong_token_in_the_url_is_refused(
         assert wrong.status_code == 401
         right = await http.post(f"{gw.router_url}/v1/completions", json={"model": "m", "prompt": "x"})
         assert right.status_code == 200 and right.json()["choices"][0]["text"] == "done"
+        models = await http.get(f"{gw.router_url}/v1/models", headers={"Authorization": "Bearer EMPTY"})
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "m"
+
+
+async def test_a_later_delegates_top_level_key_replaces_an_earlier_ones_as_in_miles(
+    fleet: tuple[FakeFleet, str], http: httpx.AsyncClient, delegate_url: tuple[FakeDelegate, str]  # noqa: F811
+) -> None:
+    _, url = delegate_url
+    first = _spec(url, "/evaluate")
+    [second] = parse_delegates("eval.delegate", [{"name": "other", "url": f"{url}/second",
+                                                  "datasets": [{"name": "aime25"}]}])
+    metrics = await _run(fleet[1], http, first, second).run()
+    assert metrics == {"eval/aime25/other": 1.0, "eval/hle/status": 200.0, "eval/hle/ok": 1.0}
 
 
 async def test_another_weight_version_behind_the_delegate_is_pin_violation(
@@ -319,3 +334,19 @@ async def test_no_connection_is_delegate_failed() -> None:
         await post(spec, b"{}")
     assert info.value.message.startswith(f"delegate 'n' (http://127.0.0.1:{port}/e): no connection (ConnectError")
     assert "pw" not in info.value.message and "key=s" not in info.value.message
+
+
+def test_the_external_posture_refuses_a_suite_with_delegates(tmp_path: Path) -> None:
+    from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
+    from pinned_eval.points import SourceKind
+    from tasks.measure import MeasureInput, PointConfig, measure_external
+    from tasks.snapshots import Snapshot
+
+    suite = EvalSuite.from_miles_yaml(CONFIGS / "delegate_golden.yaml", check_imports=False)
+    cfg = PointConfig(suite=EvalSuiteBlock(suite=suite), staging=StagingBlock(root=str(tmp_path)), sinks=SinksBlock(),
+                      fleet=FleetBlock(name="f", mode="attach", engine_urls=["http://127.0.0.1:9"],
+                                       router_url="http://127.0.0.1:9"),
+                      backend=ExternalBackendBlock(backend="tests.nowhere:Backend", options={}))
+    snap = Snapshot(path=str(tmp_path), owned=False, kind=SourceKind.HF, local_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"^eval\.delegate: the external posture hands the checkpoint"):
+        measure_external(cfg, MeasureInput("r", 1, snap, suite.resolved(), {}))
