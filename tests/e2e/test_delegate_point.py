@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prefect import get_client
 
 from blocks import FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
@@ -82,7 +83,7 @@ class SkillsLike:
         metrics: dict[str, Any] = {}
         with httpx.Client(timeout=60) as http:
             for bench in job["benchmarks"]:
-                texts = self.texts.setdefault(bench["name"], [])
+                texts: list[str] = []
                 for prompt, _ in PROMPTS:
                     for _ in range(bench["n_samples_per_eval_prompt"]):
                         r = http.post(f"{job['router_url']}/v1/chat/completions",
@@ -92,6 +93,7 @@ class SkillsLike:
                                             "messages": [{"role": "user", "content": prompt}]})
                         r.raise_for_status()
                         texts.append(r.json()["choices"][0]["message"]["content"])
+                self.texts.setdefault(bench["name"], []).extend(texts)
                 metrics[bench["name"]] = {"pass@1": _pass_at_1(texts, bench["n_samples_per_eval_prompt"]),
                                           "num_entries": len(PROMPTS), "generations": len(texts),
                                           "judge": {"model": "none"}}
@@ -126,7 +128,7 @@ def _point(
     suite = EvalSuite.from_miles_yaml(YAML, strict_miles=True, variables={
         "DATA_DIR": str(tmp_path), "DELEGATE_URL": url, "DELEGATE_TIMEOUT": str(timeout)})
     fleet = FleetBlock(name=f"d{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
-    env = save_point_blocks(tmp_path, fleet, suite=suite, keep_snapshots=0)
+    env = save_point_blocks(tmp_path, fleet, suite=suite)  # keeps the snapshot: a rerun reuses it
     SinksBlock(jsonl_path=str(env.jsonl), results_root=str(tmp_path / "results")).save(env.blocks["sinks"],
                                                                                        overwrite=True)
     dest = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, step)
@@ -155,9 +157,9 @@ def test_delegate_is_measured_through_the_gateway_at_the_pinned_version(
     assert (row.dataset, row.state, row.weight_version) == ("arith_add", "measured", "3")
     delegated = {k: v for k, v in row.metrics.items() if k.startswith(("eval/aime25/", "eval/hle/"))}
     assert delegated == {
-        "eval/aime25/pass@1": _pass_at_1(skills.texts["aime25"], 2), "eval/aime25/num_entries": 2.0,
+        "eval/aime25/pass@1": _pass_at_1(skills.texts["aime25"][:4], 2), "eval/aime25/num_entries": 2.0,
         "eval/aime25/generations": 4.0,
-        "eval/hle/pass@1": _pass_at_1(skills.texts["hle"], 1), "eval/hle/num_entries": 2.0,
+        "eval/hle/pass@1": _pass_at_1(skills.texts["hle"][:2], 1), "eval/hle/num_entries": 2.0,
         "eval/hle/generations": 2.0,
     }
     calls = SinksBlock.load(env.blocks["sinks"]).results_store().read(env.run, 3, DELEGATE_CALLS).to_pylist()
@@ -168,6 +170,15 @@ def test_delegate_is_measured_through_the_gateway_at_the_pinned_version(
     # what the miles adapter hands back to miles: the delegate's metrics among the point's
     out = asyncio.run(_collect(prefect_server, env.run, str(state.state_details.flow_run_id), 3))
     assert {k: v for k, v in out.metrics.items() if k.startswith(("eval/aime25/", "eval/hle/"))} == delegated
+
+    # the same point again: generations come from the cache, yet the fleet is pinned for the delegate
+    dest = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, 3)
+    again = eval_point(**env.params(3, source={"kind": "staged", "path": dest}), return_state=True)
+    assert again.name == "Completed", again.message
+    assert len(skills.bodies) == 2 and skills.texts["hle"][2:] == skills.texts["hle"][:2]  # greedy: the same
+    with get_client(sync_client=True) as c:
+        names = {t.name for t in c.read_task_runs() if t.flow_run_id == again.state_details.flow_run_id}
+    assert {"cached-generations-3", "pin-3", "delegate-3"} <= names and "generate-3" not in names
 
 
 async def _collect(api_url: str, run: str, flow_run_id: str, step: int) -> Any:
