@@ -4,14 +4,15 @@ Contract of `parse_miles_eval_config(source) -> MilesEvalConfig` (plain dicts, v
 by `EvalSuite`):
 - root: a mapping; `eval:` is used when present (then no other root key is allowed), else the
   root itself. Under it: `defaults` (mapping, optional), `datasets` (a list of mappings with
-  `name`, or a mapping name -> fields), `delegate` (only empty: delegating a dataset to an
-  outside evaluator is pinned-eval's external posture, a `CheckpointEvalFn` backend).
+  `name`, or a mapping name -> fields), `delegate` (miles' outside evaluators, e.g. NeMo-Skills:
+  `pinned_eval.delegate.config.parse_delegates`, refusals named by key path, e.g.
+  `eval.delegate[0].url: required`).
 - dataset and defaults keys map miles' names onto pinned-eval's (`n_samples_per_eval_prompt`,
   `max_response_len`, `rm_type`, `custom_generate_function_path` -> `generate_function`,
   `tool_key`, ...; pinned-eval's own names are accepted too). miles keys pinned-eval does not
   implement (`stop_token_ids`, `min_new_tokens`) are accepted only when null/empty, so nothing
   set is lost.
-- every refusal is a `ValueError` naming the key path, e.g. `eval.delegate: not supported`
+- every refusal is a `ValueError` naming the key path, e.g. `eval.delegate[0].bogus: not supported`
   or `eval.datasets[1].rm_type: reward 'ifbench': not supported: ...`; a file that is not UTF-8
   names the file and line, a YAML syntax error names the file (and line).
 - interpolations, as miles reads its config with OmegaConf: `${VAR}` takes `variables[VAR]` (the
@@ -46,6 +47,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pinned_eval.delegate.config import DelegateSpec, parse_delegates
 from pinned_eval.scoring.rewards import MILES_DIVERGENCES, check_reward_name
 from pinned_eval.yaml_files import parse_yaml, read_config_file, shown_key
 
@@ -119,6 +121,7 @@ class MilesEvalConfig:
     file_dir: str | None
     dataset_paths: list[str]  # key path of each dataset, e.g. "eval.datasets[1]"
     defaults_path: str = "eval.defaults"
+    delegates: tuple[DelegateSpec, ...] = ()  # eval.delegate
 
     @staticmethod
     def key_path(where: str, field: str) -> str:
@@ -148,7 +151,7 @@ def parse_miles_eval_config(
     unknown = [str(k) for k in cfg if k not in _EVAL_KEYS]
     if unknown:
         raise ValueError(f"{where}.{shown_key(unknown[0])}: not supported (an eval config has {list(_EVAL_KEYS)})")
-    _refuse_delegate(f"{where}.delegate", cfg.get("delegate"))
+    delegates = parse_delegates(f"{where}.delegate", cfg.get("delegate"), strict_miles=strict_miles)
     raw_defaults = cfg.get("defaults") or {}
     if not isinstance(raw_defaults, dict):
         raise ValueError(f"{where}.defaults: must be a mapping")
@@ -159,6 +162,7 @@ def parse_miles_eval_config(
         map_miles_keys(f"{where}.defaults", raw_defaults, strict_miles=strict_miles),
         file_dir,
         [w for w, _ in entries],
+        delegates=delegates,
     )
 
 
@@ -230,15 +234,6 @@ def map_miles_keys(where: str, entry: dict[str, Any], *, strict_miles: bool = Fa
             value = [value]
         out[field] = value
     return out
-
-
-def _refuse_delegate(where: str, delegate: Any) -> None:
-    if delegate in (None, [], {}):
-        return
-    raise ValueError(
-        f"{where}: not supported (pinned-eval delegates evaluation through the external posture: "
-        "a CheckpointEvalFn backend, e.g. trainer_integration.sglang_backend:SGLangCheckpointEval)"
-    )
 
 
 def _read_source(source: str | Path) -> tuple[str, str | None, str]:

@@ -9,6 +9,7 @@ Contract:
 - `EvalSuite.from_miles_yaml` accepts miles' eval YAML (`eval: {defaults, datasets, delegate}`;
   datasets a list or a name → mapping) and maps miles key names (`pinned_eval.miles_config`);
   keys pinned-eval does not implement are rejected by key path rather than silently ignored.
+  `delegate` entries become `EvalSuite.delegates` (`pinned_eval.delegate`, docs/harnesses.md).
 - Prompts are rendered for the engine by `pinned_eval.prompts` (chat template, system prompt).
 - Datasets are their own package: `pinned_eval.datasets.spec.ResolvedDataset` (what tasks consume)
   and `pinned_eval.datasets.loader.load_dataset` (rows). They are re-exported here for one release
@@ -38,6 +39,7 @@ from pinned_eval.datasets.spec import (
     RewardName,
     ToolCallParser,
 )
+from pinned_eval.delegate.config import DelegateSpec
 from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
 from pinned_eval.plugins import ImportPath, is_import_path
 from pinned_eval.scoring.remote import RemoteRewardConfig
@@ -276,6 +278,9 @@ class EvalSuite(BaseModel):
     remote_reward: RemoteRewardConfig | None = Field(
         default=None, description="Scoring service of datasets whose reward is 'remote_rm' (miles --rm-url)."
     )
+    delegates: tuple[DelegateSpec, ...] = Field(
+        default=(), description="miles eval.delegate: outside evaluators run against the point's gateway."
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> EvalSuite:
@@ -435,6 +440,7 @@ class EvalSuite(BaseModel):
                 pass_at_k=pass_at_k,
                 base_dir=base_dir or cfg.file_dir,
                 remote_reward=remote_reward,
+                delegates=cfg.delegates,
             )
         except ValidationError as exc:
             raise ValueError(f"eval config: {exc}") from exc

@@ -2,9 +2,9 @@
 and the janitor.
 
 - `record_measured`: the point's metrics (`pinned_eval.scoring.metrics.point_metrics` plus the
-  datasets run and not due) on every dataset's ledger row, the exporters (`tasks.log`), the
-  `measured` and `regressed` events (`tasks.alerts`), and the run's Completed state whose message
-  names each score, the datasets not due, the regressions and the failed exporters;
+  datasets run and not due, and the `eval.delegate` metrics) on every dataset's ledger row, the
+  exporters (`tasks.log`), the `measured` and `regressed` events (`tasks.alerts`), and the run's
+  Completed state whose message names each score, the datasets not due, the regressions and the failed exporters;
 - `record_skipped`: a WARNING naming the point, its `skipped` ledger row and exporters (when the
   sinks block loaded), the `skipped` event, and a Completed state named "Skipped" with the
   reason as message;
@@ -57,9 +57,12 @@ def record_measured(
     point_ended(run, "measured", "", seconds)  # first: the count never waits on (or depends on) a sink
     point = point_metrics(step, lag_steps(run, step), seconds, export_time_seconds)
     point.update({"eval/datasets_run": float(len(per_dataset)), "eval/datasets_not_due": float(len(not_due))})
+    delegated = measured.delegated or {}
+    point.update(delegated)  # eval.delegate metrics: point-level (tasks.measure refused clashes)
     sink_errors = log_point(run, step, measured_rows(run, step, per_dataset, point), sinks, measured.samples)
     regressed = emit_measured(run, step, per_dataset, suite.regression, sinks.jsonl_path)
     summary = ", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items())
+    summary += f"; {len(delegated)} delegate metrics" if delegated else ""
     summary += f" (not due: {', '.join(not_due)})" if not_due else ""
     summary += f"; regressed: {', '.join(r.dataset for r in regressed)}" if regressed else ""
     return Completed(message=f"measured {flow_run_name(run, step)}: {summary}{sink_note(sink_errors)}")
