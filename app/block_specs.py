@@ -8,7 +8,7 @@ returns the block; relative paths resolve against `base_dir` (the working direct
 the config file's directory for `apply`) and are stored absolute, because the worker that reads
 them runs elsewhere. Secrets never come from argv: engine keys are read from files
 (`--api-key-file`, 0600 like the API credential), S3 keys from the standard AWS variables
-(`--s3-keys-from-env`).
+(`--s3-keys-from-env`), MLflow credentials from MLflow's (`--mlflow-credentials-from-env`).
 
 Prefect is imported inside `build` only (`pinned-eval --help` stays fast).
 """
@@ -234,7 +234,8 @@ class FleetSpec(_Spec):
 class StagingSpec(_Spec):
     """Where points stage snapshots (`root`) and where their sources may lie (`source_root`)."""
 
-    root: str = Field(min_length=1)
+    root: str | None = Field(default=None, min_length=1)
+    s3_bucket_block: str | None = Field(default=None, min_length=1)  # a prefect-aws S3Bucket instead of root
     source_root: list[str] = Field(default_factory=list)
     keep: int = Field(default=2, ge=0, le=1000)
     endpoint_url: str | None = None
@@ -248,6 +249,11 @@ class StagingSpec(_Spec):
 
         from blocks import StagingBlock  # prefect: slow import
 
+        if self.s3_bucket_block is not None:
+            _one_bucket("s3_bucket_block", {"root": self.root, "endpoint_url": self.endpoint_url,
+                                            "region": self.region, "s3_keys_from_env": self.s3_keys_from_env})
+        elif self.root is None:
+            raise SpecError("root", "required: a directory or s3://bucket/prefix (or --s3-bucket-block NAME)")
         keys: dict[str, Any] = {}
         if self.s3_keys_from_env:
             missing = [v for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(v)]
@@ -257,38 +263,100 @@ class StagingSpec(_Spec):
                     "aws_secret_access_key": SecretStr(os.environ["AWS_SECRET_ACCESS_KEY"])}
         cache_max = parse_size("cache_max_size", self.cache_max_size) if self.cache_max_size else None
         return StagingBlock(
-            root=_abs(base, self.root), source_roots=[_abs(base, r) for r in self.source_root],
+            root=_abs(base, self.root) if self.root else None, s3_bucket_block=self.s3_bucket_block,
+            source_roots=[_abs(base, r) for r in self.source_root],
             keep_snapshots=self.keep, endpoint_url=self.endpoint_url, region_name=self.region,
             cache_dir=_abs(base, self.cache_dir) if self.cache_dir else None, cache_max_bytes=cache_max, **keys,
         )
 
 
 class SinksSpec(_Spec):
-    """A JSONL metrics file (`jsonl`) and/or W&B (`wandb_*`); `results_root` keeps every point's samples."""
+    """A JSONL metrics file (`jsonl`), W&B (`wandb_*`), MLflow (`mlflow_*`), TensorBoard (`tensorboard*`);
+    `results_root` keeps every point's samples."""
 
     jsonl: Path | None = None
     results_root: str | None = Field(default=None, min_length=1)
     results_endpoint_url: str | None = None
+    results_s3_bucket_block: str | None = Field(default=None, min_length=1)  # prefect-aws S3Bucket: the results root
     wandb_project: str | None = None
     wandb_entity: str | None = None
     wandb_run_id: str | None = None
     wandb_writer: Literal["eval_run", "shared"] = "eval_run"
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     wandb_dir: Path | None = None
+    # MLflow and TensorBoard (`_trackers`)
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = Field(default="pinned-eval", min_length=1)
+    mlflow_run_id: str | None = None
+    mlflow_username: str | None = None
+    mlflow_credentials_from_env: bool = False
+    mlflow_samples_per_dataset: int = Field(default=0, ge=0, le=1000)
+    tensorboard: bool = False
+    tensorboard_dir: Path | None = None
 
     def build(self, base: Path) -> Block:
+        from pydantic import ValidationError
+
         from blocks import SinksBlock  # prefect: slow import
 
         if self.wandb_writer == "shared" and self.wandb_mode != "online":
             raise SpecError("wandb_writer", "'shared' writes into the live training run: it needs "
                                             "--wandb-mode online")
-        return SinksBlock(
-            jsonl_path=_abs(base, self.jsonl) if self.jsonl else None, wandb_project=self.wandb_project,
-            wandb_entity=self.wandb_entity, wandb_run_id=self.wandb_run_id, wandb_writer=self.wandb_writer,
-            wandb_mode=self.wandb_mode, wandb_dir=_abs(base, self.wandb_dir) if self.wandb_dir else None,
-            results_root=_abs(base, self.results_root) if self.results_root else None,
-            results_endpoint_url=self.results_endpoint_url,
-        )
+        if self.results_s3_bucket_block is not None:
+            _one_bucket("results_s3_bucket_block", {"results_root": self.results_root,
+                                                    "results_endpoint_url": self.results_endpoint_url})
+        try:
+            return SinksBlock(
+                results_s3_bucket_block=self.results_s3_bucket_block,
+                jsonl_path=_abs(base, self.jsonl) if self.jsonl else None, wandb_project=self.wandb_project,
+                wandb_entity=self.wandb_entity, wandb_run_id=self.wandb_run_id, wandb_writer=self.wandb_writer,
+                wandb_mode=self.wandb_mode, wandb_dir=_abs(base, self.wandb_dir) if self.wandb_dir else None,
+                results_root=_abs(base, self.results_root) if self.results_root else None,
+                results_endpoint_url=self.results_endpoint_url, **self._trackers(base),
+            )
+        except ValidationError as exc:  # the block's own checks name a block field: the spec's key
+            err = spec_errors(exc)
+            field, sep, rest = err.message.partition(": ")
+            if sep and field in type(self).model_fields:
+                raise SpecError(field, rest) from exc
+            raise err from exc
+
+    def _trackers(self, base: Path) -> dict[str, Any]:
+        """The MLflow and TensorBoard fields of the block; credentials from this shell's environment
+        (`MLFLOW_TRACKING_TOKEN`, or `MLFLOW_TRACKING_USERNAME` + `MLFLOW_TRACKING_PASSWORD`), never argv."""
+        from pydantic import SecretStr
+
+        fields: dict[str, Any] = {
+            "mlflow_tracking_uri": self.mlflow_tracking_uri, "mlflow_experiment": self.mlflow_experiment,
+            "mlflow_run_id": self.mlflow_run_id, "mlflow_username": self.mlflow_username,
+            "mlflow_samples_per_dataset": self.mlflow_samples_per_dataset, "tensorboard": self.tensorboard,
+            "tensorboard_dir": _abs(base, self.tensorboard_dir) if self.tensorboard_dir else None,
+        }
+        if self.mlflow_credentials_from_env:
+            token, password = os.environ.get("MLFLOW_TRACKING_TOKEN"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+            user = self.mlflow_username or os.environ.get("MLFLOW_TRACKING_USERNAME")
+            if not token and not (user and password):
+                raise SpecError("mlflow_credentials_from_env", "neither MLFLOW_TRACKING_TOKEN nor "
+                                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD set in this environment")
+            if token:
+                fields["mlflow_token"] = SecretStr(token)
+            if user and password:
+                fields.update(mlflow_username=user, mlflow_password=SecretStr(password))
+        return fields
+
+
+def _one_bucket(key: str, others: dict[str, Any]) -> None:
+    """A prefect-aws S3Bucket named by `key` replaces the `others` keys: none may be set; the
+    `aws` extra must be installed."""
+    from blocks._aws import require_prefect_aws
+
+    for other, value in others.items():
+        if value:
+            raise SpecError(other, f"set either {other} or {key} (a prefect-aws S3Bucket block), not both")
+    try:
+        require_prefect_aws(key)
+    except ValueError as exc:
+        raise SpecError(key, str(exc).removeprefix(f"{key}: ")) from None
 
 
 SPECS: dict[str, type[_Spec]] = {"suite": SuiteSpec, "fleet": FleetSpec, "staging": StagingSpec, "sinks": SinksSpec}

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from pinned_eval.results.compare import DatasetFlips
+    from pinned_eval.results.transcripts import TranscriptDiff
 
 FAILED = ("failed", "crashed", "cancelled")
 INFLIGHT = ("running", "pending", "scheduled")
@@ -130,7 +131,8 @@ def png_bytes(history: RunHistory) -> bytes:
 
 def comparison_html(step_a: int, step_b: int, flips: list[DatasetFlips]) -> str:
     """The report's comparison section: per dataset, the examples that flipped each way between
-    steps A and B, with prompt, label and both responses (every text escaped)."""
+    steps A and B, with prompt, label and both responses, then (agentic samples) where each
+    example's transcripts first differ (every text escaped)."""
     parts = [f"<h2 id='compare'>Step {step_a} (A) vs step {step_b} (B): examples that flipped</h2>"]
     for d in flips:
         parts.append(f"<h3>{html.escape(d.dataset)}: {len(d.lost)} correct in A, wrong in B; "
@@ -147,7 +149,22 @@ def comparison_html(step_a: int, step_b: int, flips: list[DatasetFlips]) -> str:
             parts.append(f"<table class='flips' data-flip='{kind}'>"
                          f"<caption>{title}</caption><thead><tr><th>example</th><th>prompt</th><th>label</th>"
                          f"<th>response A</th><th>response B</th></tr></thead><tbody>{rows}</tbody></table>")
+        if d.transcripts:
+            parts.append(_transcripts_html(d.transcripts))
     return "".join(parts)
+
+
+def _transcripts_html(diffs: list[TranscriptDiff]) -> str:
+    """Where each example's transcripts first differ (`pinned_eval.results.transcripts`): turn,
+    role and excerpt of each side. Transcripts are model output: every text is escaped."""
+    rows = "".join(
+        f"<tr><td>{t.example_id}</td><td>{t.turn}</td><td>{html.escape(t.role_a)}</td>"
+        f"<td>{html.escape(t.excerpt_a)}</td><td>{html.escape(t.role_b)}</td><td>{html.escape(t.excerpt_b)}</td></tr>"
+        for t in diffs
+    )
+    return ("<table class='transcripts'><caption>transcripts: where they first differ</caption><thead><tr>"
+            "<th>example</th><th>turn</th><th>role A</th><th>A</th><th>role B</th><th>B</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>")
 
 
 def html_report(history: RunHistory, comparison: str = "") -> str:

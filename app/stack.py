@@ -205,7 +205,10 @@ class LocalStack:
     def worker_command(self, pool: str = WORK_POOL) -> list[str]:
         return [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
 
-    def run_worker(self, *, query_seconds: float = WORKER_QUERY_SECONDS, pool: str = WORK_POOL) -> int:
+    def run_worker(
+        self, *, query_seconds: float = WORKER_QUERY_SECONDS, pool: str = WORK_POOL,
+        extra_env: dict[str, str] | None = None,
+    ) -> int:
         """`pinned-eval worker`: run a process worker on `pool` until it exits or this process gets
         SIGTERM or SIGINT; return its exit code (0 when stopped by a signal).
 
@@ -216,7 +219,7 @@ class LocalStack:
         worker's process group, the warm-start server, the backend host (which disposes its
         backends); their records are cleared. Every process started here gets a parent-death
         signal (`children_die_with_me`), so a SIGKILLed caller leaves no worker polling the pool,
-        nor companions."""
+        nor companions. `extra_env`: added to the worker's environment (and its flow runs')."""
         started: list[tuple[Literal["worker_pid", "warm_pid", "backend_host_pid"], int, float]] = []
         children_die_with_me()
         with _StopSignals() as stop:
@@ -227,8 +230,8 @@ class LocalStack:
                     started.append(("warm_pid", warm_pid, 30.0))
                 if host_pid != before.backend_host_pid:
                     started.append(("backend_host_pid", host_pid, 60.0))
-                spec = ProcessSpec(role="worker", command=self.worker_command(pool),
-                                   env=self.worker_env(query_seconds), cwd=str(project_dir()))
+                env = dict(self.worker_env(query_seconds), **(extra_env or {}))
+                spec = ProcessSpec(role="worker", command=self.worker_command(pool), env=env, cwd=str(project_dir()))
                 record, proc = start_process(spec, None)  # foreground: its output is this command's
                 started.insert(0, ("worker_pid", record.pid, WORKER_STOP_GRACE_S))
                 self._save(self.state().model_copy(update={"worker_pid": record.pid}))

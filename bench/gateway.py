@@ -7,12 +7,15 @@ it. Variants, interleaved call by call so they share the load of the moment:
   `return_logprob` (what miles' generate hub sends);
 - `chat direct` / `chat via gateway`: `/v1/chat/completions`, one user message, `max_tokens` N.
 The direct call carries the fleet's key; the gateway call the gateway's token, and the gateway
-adds the key, checks the version, counts and records. The client and the gateway share one event
-loop (the worker runs user code in another process: this is the pessimistic case).
-`overhead` is per pair (gateway call minus the direct call next to it): p50, p99, and the p50 as a
-percentage of the direct call's p50. `CPU` is this process's CPU time per call (client, plus the
-gateway for the gateway calls; the router and engine run elsewhere): its difference is the
-gateway's own work, which a loaded machine stretches in wall time.
+adds the key, checks the version, counts and records. A third variant, `via gateway (Nagle)`, is
+the gateway as it was before its listening socket named `IPPROTO_TCP` (asyncio then leaves Nagle
+on, and each reply's body waits for the client's delayed ACK): old and new side by side. The
+client and the gateway share one event loop (the worker runs user code in another process: this
+is the pessimistic case). `overhead` is per pair (gateway call minus the direct call next to it):
+p50, p90, p99, and the p50 as a percentage of the direct call's p50. `CPU` is this process's CPU
+time per call (client, plus the gateway for the gateway calls; the router and engine run
+elsewhere): its difference is the gateway's own work, which a loaded machine stretches in wall
+time.
 
 Usage: `python -m bench gateway [--calls N] [--max-new-tokens N]` (defaults 200, 8).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -44,11 +48,22 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class NagleGateway(PointGateway):
+    """The gateway before the fix: a listening socket with `proto` 0, so asyncio leaves Nagle on."""
+
+    @staticmethod
+    def _listener() -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        return sock
+
+
+VARIANTS = ("direct", "via gateway", "via gateway (Nagle)")
 
 
 def start_fleet(base: Path) -> LaunchedFleet:
@@ -75,14 +90,15 @@ async def measure(
         "chat": ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                           "max_tokens": max_new, "temperature": 0}),
     }
-    times: dict[str, list[float]] = {f"{k} {v}": [] for k in bodies for v in ("direct", "via gateway")}
+    times: dict[str, list[float]] = {f"{k} {v}": [] for k in bodies for v in VARIANTS}
     cpu: dict[str, list[float]] = {k: [] for k in times}
     async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=60) as user:
         session = PointSession(RouterGenerator(http, router, api_key=fleet.keys.api), expected_version="1",
                                rid_prefix="bench")
-        async with PointGateway(session, GatewayLimits()) as gw:
+        async with PointGateway(session, GatewayLimits()) as gw, NagleGateway(session, GatewayLimits()) as old:
             targets = {"direct": (router, {"Authorization": f"Bearer {fleet.keys.api}"}),
-                       "via gateway": (gw.base_url, {"Authorization": f"Bearer {gw.token}"})}
+                       "via gateway": (gw.base_url, {"Authorization": f"Bearer {gw.token}"}),
+                       "via gateway (Nagle)": (old.base_url, {"Authorization": f"Bearer {old.token}"})}
             for i in range(calls + 5):  # the first 5 rounds warm up
                 for name, (path, body) in bodies.items():
                     for variant, (url, headers) in targets.items():
@@ -93,22 +109,30 @@ async def measure(
                         if i >= 5:
                             times[f"{name} {variant}"].append(elapsed)
                             cpu[f"{name} {variant}"].append(used)
-            assert gw.violation is None and all(c.status == 200 for c in gw.calls)
+            assert gw.violation is None and all(c.status == 200 for c in [*gw.calls, *old.calls])
     return times, cpu
 
 
 def table(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> list[str]:
-    lines = ["| call | direct p50 ms | via gateway p50 ms | overhead p50 ms | overhead p99 ms | overhead p50 % "
-             "| CPU direct ms (mean) | CPU via gateway ms (mean) |", "|---|---|---|---|---|---|---|---|"]
-    for name in dict.fromkeys(k.rsplit(" ", 1)[0].removesuffix(" via") for k in times):
-        direct, via = times[f"{name} direct"], times[f"{name} via gateway"]
-        over = [g - d for g, d in zip(via, direct, strict=True)]
+    """One row per call and gateway variant; the overhead is per pair with the direct call of that round."""
+    lines = ["| call | gateway | direct p50 ms | via gateway p50 ms | overhead p50 ms | overhead p90 ms "
+             "| overhead p99 ms | overhead p50 % | CPU direct ms (mean) | CPU via gateway ms (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    calls = dict.fromkeys(k.split(" ", 1)[0] for k in times)
+    for name in calls:
+        direct = times[f"{name} direct"]
         d50 = statistics.median(direct)
-        o50 = statistics.median(over)
-        lines.append(f"| {name} | {d50 * 1000:.2f} | {statistics.median(via) * 1000:.2f} | {o50 * 1000:.2f} | "
-                     f"{_pct(over, 0.99) * 1000:.2f} | {100 * o50 / d50:.1f} | "
-                     f"{statistics.mean(cpu[f'{name} direct']) * 1000:.2f} | "
-                     f"{statistics.mean(cpu[f'{name} via gateway']) * 1000:.2f} |")
+        for variant in VARIANTS[1:]:
+            via = times.get(f"{name} {variant}")
+            if not via:
+                continue
+            over = [g - d for g, d in zip(via, direct, strict=True)]
+            o50 = statistics.median(over)
+            label = "before (Nagle on)" if variant.endswith("(Nagle)") else "now"
+            lines.append(f"| {name} | {label} | {d50 * 1000:.2f} | {statistics.median(via) * 1000:.2f} | "
+                         f"{o50 * 1000:.2f} | {_pct(over, 0.90) * 1000:.2f} | {_pct(over, 0.99) * 1000:.2f} | "
+                         f"{100 * o50 / d50:.1f} | {statistics.mean(cpu[f'{name} direct']) * 1000:.2f} | "
+                         f"{statistics.mean(cpu[f'{name} {variant}']) * 1000:.2f} |")
     return lines
 
 

@@ -5,6 +5,9 @@ Invariants: every delete is confined to `root`; a point reads its source only un
 parameters; `keep_snapshots` owned snapshots per run survive for reruns (the keep-ring);
 with `keep_best` > 0 the snapshots of the run's best `keep_best` measured steps by
 `keep_best_metric` (read from the sinks block's JSONL file) survive beside the ring.
+The S3 root comes either from `root` and this block's own S3 fields, or from a prefect-aws
+`S3Bucket` block named by `s3_bucket_block` (`blocks._aws`: bucket and folder as the root, its
+`AwsCredentials` as the options), never both: either way the same `Staging` and s3fs options.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 
+from blocks._aws import require_prefect_aws, resolve_s3_bucket
 from blocks._meta import DOCS_URL, LOGO_URL
 from pinned_eval.sinks import Ledger
 from pinned_eval.snapshot.keep_best import KeepBestMode, best_steps
@@ -35,10 +39,21 @@ class StagingBlock(Block):
     from blocks import StagingBlock
 
     staging = StagingBlock.load("BLOCK_NAME")
-    print(staging.root, staging.keep_snapshots)
+    print(staging.root_url(), staging.keep_snapshots)
     """
 
-    root: str = Field(description="Local directory or `s3://bucket/prefix` that holds owned snapshots.")
+    root: str | None = Field(
+        default=None,
+        description="Local directory or `s3://bucket/prefix` that holds owned snapshots (or set `s3_bucket_block`).",
+    )
+    s3_bucket_block: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Name of a saved prefect-aws `S3Bucket` block (with its `AwsCredentials`) whose bucket and folder are "
+            "the root, instead of `root` and the S3 fields here (needs `pinned-eval[aws]`)."
+        ),
+    )
     keep_snapshots: int = Field(
         default=2, ge=0, le=1000, description="Owned snapshots kept per run after their point settles."
     )
@@ -75,6 +90,35 @@ class StagingBlock(Block):
                 raise ValueError(f"source_roots[{i}]: {root!r} is neither an absolute path nor s3://bucket/prefix")
         return roots
 
+    _s3: tuple[str, dict[str, Any]] | None = PrivateAttr(default=None)  # the resolved S3Bucket (holds secrets)
+
+    @model_validator(mode="after")
+    def _one_way_to_the_root(self) -> StagingBlock:
+        if self.s3_bucket_block is None:
+            if self.root is None:
+                raise ValueError("root: required: a local directory or s3://bucket/prefix "
+                                 "(or name a prefect-aws S3Bucket block in s3_bucket_block)")
+            return self
+        if self.root is not None:
+            raise ValueError("root: set either root or s3_bucket_block (the S3Bucket's bucket and folder), not both")
+        for name in ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: comes from the S3Bucket block's AwsCredentials when s3_bucket_block "
+                                 "is set; unset it")
+        require_prefect_aws("s3_bucket_block")
+        return self
+
+    def _bucket(self) -> tuple[str, dict[str, Any]]:
+        """The S3Bucket block, resolved once (Prefect API) into the root URL and s3fs options."""
+        assert self.s3_bucket_block is not None
+        if self._s3 is None:
+            self._s3 = resolve_s3_bucket(self.s3_bucket_block, "s3_bucket_block")
+        return self._s3
+
+    def root_url(self) -> str:
+        """Where owned snapshots live: `root`, or the S3Bucket block's `s3://bucket/folder`."""
+        return self._bucket()[0] if self.s3_bucket_block else str(self.root)
+
     @model_validator(mode="after")
     def _keep_best_needs_a_metric(self) -> StagingBlock:
         if self.keep_best > 0 and self.keep_best_metric is None:
@@ -95,11 +139,14 @@ class StagingBlock(Block):
 
     def all_source_roots(self) -> list[str]:
         """Where a point's source may lie: the staging root, then `source_roots`."""
-        return [self.root, *self.source_roots]
+        return [self.root_url(), *self.source_roots]
 
     def s3_options(self) -> dict[str, Any]:
         """fsspec/s3fs options for any `s3://` URL a point reads with this block (its root, or an
-        `hf` checkpoint the watch evaluator found): endpoint, region and keys, whatever the root."""
+        `hf` checkpoint the watch evaluator found): endpoint, region and keys, whatever the root
+        (the S3Bucket block's, with `s3_bucket_block`)."""
+        if self.s3_bucket_block:
+            return dict(self._bucket()[1])
         secret = self.aws_secret_access_key
         return s3_storage_options(
             self.endpoint_url,
@@ -110,11 +157,11 @@ class StagingBlock(Block):
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options for `root` (empty for a local root)."""
-        return self.s3_options() if self.root.startswith("s3://") else {}
+        return self.s3_options() if self.root_url().startswith("s3://") else {}
 
     def staging(self) -> Staging:
         return Staging(
-            self.root,
+            self.root_url(),
             storage_options=self.storage_options(),
             keep_snapshots=self.keep_snapshots,
             cache_dir=Path(self.cache_dir) if self.cache_dir else None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Literal
 
 from prefect import flow, get_client
@@ -36,6 +37,7 @@ from prefect.utilities.timeout import timeout
 from blocks import EvalSuiteBlock, ExternalBackendBlock, FleetBlock, SinksBlock, StagingBlock
 from blocks._meta import load_block
 from pinned_eval.points import PointRequest, Posture, SnapshotSource
+from pinned_eval.prometheus import InFlight
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.source_roots import SourceOutsideRoots, confine_source
@@ -65,6 +67,7 @@ def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
             staging = load_block(StagingBlock, params.get("staging", "default"))
             retire_owned(staging, sinks.jsonl_path, run, step, source=source, as_task=False)
 
+    began = flow_run.start_time
     record_failed(
         run,
         step,
@@ -73,6 +76,7 @@ def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
         flow_run_id=str(flow_run.id),
         export=False,
         retire=retire,
+        seconds=(datetime.now(UTC) - began).total_seconds() if began else None,
     )
 
 
@@ -111,6 +115,7 @@ def eval_point(
     )
     quiet_expected_skips()  # a task's EvalSkipped: INFO, no traceback (the WARNING names it)
     started = time.monotonic()
+    in_flight = InFlight(run).start()  # the worker's `pinned_eval_points_in_flight` (docs/metrics.md)
     sinks_block: SinksBlock | None = None
     staging_block: StagingBlock | None = None
     store: Staging | None = None
@@ -141,14 +146,15 @@ def eval_point(
                 export_time_seconds=exported or export_time_seconds,
             )
     except EvalSkipped as skip:
-        return record_skipped(run, step, skip, sinks_block)
+        return record_skipped(run, step, skip, sinks_block, started=started)
     except SourceOutsideRoots as exc:  # the request's fault: failed, in the message's own words (no class name)
-        record_failed(run, step, str(exc), sinks_block)
+        record_failed(run, step, str(exc), sinks_block, seconds=time.monotonic() - started)
         return Failed(message=str(exc))
     except Exception as exc:
-        record_failed(run, step, repr(exc), sinks_block)
+        record_failed(run, step, repr(exc), sinks_block, seconds=time.monotonic() - started)
         raise
     finally:
+        in_flight.end()
         if store is not None and staging_block is not None and sinks_block is not None:
             retire_owned(
                 staging_block, sinks_block.jsonl_path, run, step, snapshot=snapshot, source=source, store=store

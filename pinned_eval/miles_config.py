@@ -4,14 +4,15 @@ Contract of `parse_miles_eval_config(source) -> MilesEvalConfig` (plain dicts, v
 by `EvalSuite`):
 - root: a mapping; `eval:` is used when present (then no other root key is allowed), else the
   root itself. Under it: `defaults` (mapping, optional), `datasets` (a list of mappings with
-  `name`, or a mapping name -> fields), `delegate` (only empty: delegating a dataset to an
-  outside evaluator is pinned-eval's external posture, a `CheckpointEvalFn` backend).
+  `name`, or a mapping name -> fields), `delegate` (miles' outside evaluators, e.g. NeMo-Skills:
+  `pinned_eval.delegate.config.parse_delegates`, refusals named by key path, e.g.
+  `eval.delegate[0].url: required`).
 - dataset and defaults keys map miles' names onto pinned-eval's (`n_samples_per_eval_prompt`,
   `max_response_len`, `rm_type`, `custom_generate_function_path` -> `generate_function`,
   `tool_key`, ...; pinned-eval's own names are accepted too). miles keys pinned-eval does not
   implement (`stop_token_ids`, `min_new_tokens`) are accepted only when null/empty, so nothing
   set is lost.
-- every refusal is a `ValueError` naming the key path, e.g. `eval.delegate: not supported`
+- every refusal is a `ValueError` naming the key path, e.g. `eval.delegate[0].bogus: not supported`
   or `eval.datasets[1].rm_type: reward 'ifbench': not supported: ...`; a file that is not UTF-8
   names the file and line, a YAML syntax error names the file (and line).
 - interpolations, as miles reads its config with OmegaConf: `${VAR}` takes `variables[VAR]` (the
@@ -27,7 +28,8 @@ by `EvalSuite`):
   `generate_function`, miles' generate-function flags set per dataset (`generate_max_turns`,
   `generate_tool_specs_path`, `generate_tool_call_parser`, `generate_execute_tool_function_path`,
   `custom_agent_function_path`: on the
-  miles CLI they are flags, not eval-config keys) and `rm_type: exact_match`) are refused with
+  miles CLI they are flags, not eval-config keys), the runner's `python_path` / `miles_python`
+  and `rm_type: exact_match`) are refused with
   `strict_miles=True`, so a config that loads strictly means the same to miles.
 """
 
@@ -45,6 +47,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pinned_eval.delegate.config import DelegateSpec, parse_delegates
 from pinned_eval.scoring.rewards import MILES_DIVERGENCES, check_reward_name
 from pinned_eval.yaml_files import parse_yaml, read_config_file, shown_key
 
@@ -86,6 +89,12 @@ MILES_KEYS = {
                       "agent_sample_wall_s", "agent_sample_timeout_s")},
     # lm-eval tasks as a dataset (pinned-eval extension keys, docs/harnesses.md)
     **{k: k for k in ("kind", "tasks", "task_dir", "lm_eval_model", "num_fewshot")},
+    # the generate-function runner's import roots and interpreter (pinned-eval extension keys)
+    "python_path": "python_path",
+    "miles_python": "miles_python",
+    # miles' --reward-key / --eval-reward-key (CLI flags there: pinned-eval extension keys here)
+    "reward_key": "reward_key",
+    "eval_reward_key": "eval_reward_key",
 }
 # miles dataset keys pinned-eval does not implement: allowed only when unset (null or empty)
 UNSUPPORTED_UNLESS_EMPTY = ("stop_token_ids", "min_new_tokens")
@@ -114,6 +123,7 @@ class MilesEvalConfig:
     file_dir: str | None
     dataset_paths: list[str]  # key path of each dataset, e.g. "eval.datasets[1]"
     defaults_path: str = "eval.defaults"
+    delegates: tuple[DelegateSpec, ...] = ()  # eval.delegate
 
     @staticmethod
     def key_path(where: str, field: str) -> str:
@@ -143,7 +153,7 @@ def parse_miles_eval_config(
     unknown = [str(k) for k in cfg if k not in _EVAL_KEYS]
     if unknown:
         raise ValueError(f"{where}.{shown_key(unknown[0])}: not supported (an eval config has {list(_EVAL_KEYS)})")
-    _refuse_delegate(f"{where}.delegate", cfg.get("delegate"))
+    delegates = parse_delegates(f"{where}.delegate", cfg.get("delegate"), strict_miles=strict_miles)
     raw_defaults = cfg.get("defaults") or {}
     if not isinstance(raw_defaults, dict):
         raise ValueError(f"{where}.defaults: must be a mapping")
@@ -154,6 +164,7 @@ def parse_miles_eval_config(
         map_miles_keys(f"{where}.defaults", raw_defaults, strict_miles=strict_miles),
         file_dir,
         [w for w, _ in entries],
+        delegates=delegates,
     )
 
 
@@ -225,15 +236,6 @@ def map_miles_keys(where: str, entry: dict[str, Any], *, strict_miles: bool = Fa
             value = [value]
         out[field] = value
     return out
-
-
-def _refuse_delegate(where: str, delegate: Any) -> None:
-    if delegate in (None, [], {}):
-        return
-    raise ValueError(
-        f"{where}: not supported (pinned-eval delegates evaluation through the external posture: "
-        "a CheckpointEvalFn backend, e.g. trainer_integration.sglang_backend:SGLangCheckpointEval)"
-    )
 
 
 def _read_source(source: str | Path) -> tuple[str, str | None, str]:

@@ -27,6 +27,7 @@ class SkipReason(StrEnum):
     AGENT_BUDGET = "agent_budget"  # an agentic point used up its model-call budget (requests, tokens)
     AGENT_ERROR = "agent_error"  # user generate/agent code failed (exception, hang, memory) on a sample
     HARNESS_ERROR = "harness_error"  # an external harness (lm-eval) failed: unknown task, error, no result
+    DELEGATE_FAILED = "delegate_failed"  # an eval.delegate service failed, hung past its deadline or answered garbage
 
 
 def skip_reason(value: str | SkipReason) -> str:

@@ -9,6 +9,7 @@ Contract:
 - `EvalSuite.from_miles_yaml` accepts miles' eval YAML (`eval: {defaults, datasets, delegate}`;
   datasets a list or a name → mapping) and maps miles key names (`pinned_eval.miles_config`);
   keys pinned-eval does not implement are rejected by key path rather than silently ignored.
+  `delegate` entries become `EvalSuite.delegates` (`pinned_eval.delegate`, docs/harnesses.md).
 - Prompts are rendered for the engine by `pinned_eval.prompts` (chat template, system prompt).
 - Datasets are their own package: `pinned_eval.datasets.spec.ResolvedDataset` (what tasks consume)
   and `pinned_eval.datasets.loader.load_dataset` (rows). They are re-exported here for one release
@@ -41,6 +42,7 @@ from pinned_eval.datasets.spec import (
     RewardName,
     ToolCallParser,
 )
+from pinned_eval.delegate.config import DelegateSpec
 from pinned_eval.harness.extra import require_lm_eval
 from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
 from pinned_eval.plugins import ImportPath, is_import_path
@@ -138,6 +140,20 @@ class _SamplingFields(BaseModel):
     agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
     agent_sample_timeout_s: float | None = Field(
         default=None, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
+    )
+    python_path: tuple[str, ...] | None = Field(
+        default=None,
+        description="Import roots of generate functions (relative: against the YAML's directory); "
+        "unset: the YAML's directory.",
+    )
+    miles_python: str | None = Field(
+        default=None, min_length=1, description="Python interpreter that runs generate functions (a miles venv's)."
+    )
+    reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
+    )
+    eval_reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
     )
 
     @model_validator(mode="before")
@@ -252,11 +268,22 @@ class SamplingFallbacks(BaseModel):
     agent_sample_timeout_s: float = Field(
         default=600.0, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
     )
+    python_path: tuple[str, ...] | None = Field(
+        default=None, description="Import roots of generate functions; None: the suite's base_dir (the YAML's)."
+    )
+    miles_python: str | None = Field(default=None, description="Interpreter that runs generate functions.")
+    reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
+    )
+    eval_reward_key: str | None = Field(
+        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
+    )
 
 
 _INHERITED = tuple(SamplingFallbacks.model_fields)
 GATEWAY_FIELDS = ("agent_max_requests", "agent_max_tokens", "agent_max_turns", "agent_max_tokens_per_sample",
                   "agent_sample_wall_s")
+RUNNER_FIELDS = ("python_path", "miles_python")  # one runner per point serves every agentic dataset
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -285,6 +312,9 @@ class EvalSuite(BaseModel):
     remote_reward: RemoteRewardConfig | None = Field(
         default=None, description="Scoring service of datasets whose reward is 'remote_rm' (miles --rm-url)."
     )
+    delegates: tuple[DelegateSpec, ...] = Field(
+        default=(), description="miles eval.delegate: outside evaluators run against the point's gateway."
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> EvalSuite:
@@ -296,14 +326,17 @@ class EvalSuite(BaseModel):
 
     @model_validator(mode="after")
     def _one_gateway(self) -> EvalSuite:
-        """Every gateway of a point (agentic datasets, lm-eval tasks) has the suite's limits: they
-        must agree across those datasets."""
-        agentic = [ds for ds in self.resolved() if ds.generate_function is not None or ds.kind == "lm_eval"]
-        for field in GATEWAY_FIELDS:
-            values = {getattr(ds, field) for ds in agentic}
+        """Every gateway of a point (agentic datasets, lm-eval tasks) has the suite's limits, and one
+        generate-function runner serves the agentic datasets: those values must agree across them."""
+        agentic = [ds for ds in self.resolved() if ds.generate_function is not None]
+        gated = [ds for ds in self.resolved() if ds.generate_function is not None or ds.kind == "lm_eval"]
+        for field in GATEWAY_FIELDS + RUNNER_FIELDS:
+            group = gated if field in GATEWAY_FIELDS else agentic
+            values = {getattr(ds, field) for ds in group}
             if len(values) > 1:
-                names = [ds.name for ds in agentic]
-                raise ValueError(f"{field}: one gateway per point serves datasets {names}; "
+                names = [ds.name for ds in group]
+                what = "gateway" if field in GATEWAY_FIELDS else "generate-function runner"
+                raise ValueError(f"{field}: one {what} per point serves datasets {names}; "
                                  f"they set different values {sorted(values, key=str)}; set it once in defaults")
         return self
 
@@ -326,6 +359,10 @@ class EvalSuite(BaseModel):
                 if value is None:
                     value = getattr(self.fallbacks, field)
                 values[field] = value
+            values["python_path"] = self.import_roots(values["python_path"])
+            if values["miles_python"] is not None:
+                values["miles_python"] = str((Path(self.base_dir or ".") / Path(values["miles_python"]).expanduser())
+                                             .absolute())
             path = self._resolve_path(ds.path) if ds.path is not None else None
             task_dir = self._resolve_path(ds.task_dir) if ds.task_dir is not None else None
             out.append(
@@ -342,6 +379,16 @@ class EvalSuite(BaseModel):
         due = tuple(ds for ds in self.datasets if ds.due(step, final=final))
         return self.model_copy(update={"datasets": due}) if due else None
 
+    def import_roots(self, python_path: tuple[str, ...] | None) -> tuple[str, ...]:
+        """The generate-function runner's import roots: each `python_path` entry made absolute
+        against `base_dir` (else the working directory); unset: `base_dir` alone (a module beside
+        the YAML imports as miles' examples do with their directory on PYTHONPATH), or none
+        without a `base_dir`. The same roots serve the load check and every point."""
+        if python_path is None:
+            return (str(Path(self.base_dir).expanduser().absolute()),) if self.base_dir else ()
+        base = Path(self.base_dir or ".").expanduser()
+        return tuple(str((base / Path(p).expanduser()).absolute()) for p in python_path)
+
     def _resolve_path(self, raw: str) -> Path:
         if raw.startswith(BUILTIN_PREFIX):
             return BUILTIN_DIR / raw.removeprefix(BUILTIN_PREFIX)
@@ -356,8 +403,8 @@ class EvalSuite(BaseModel):
         return SimpleNamespace(
             rm_type=None if custom else ds.reward,
             custom_rm_path=custom,
-            reward_key=None,
-            eval_reward_key=None,
+            reward_key=ds.reward_key,
+            eval_reward_key=ds.eval_reward_key,
             rm_url=str(self.remote_reward.url) if self.remote_reward else None,
             n_samples_per_eval_prompt=ds.n_samples_per_prompt,
             eval_temperature=ds.temperature,
@@ -434,13 +481,14 @@ class EvalSuite(BaseModel):
                 pass_at_k=pass_at_k,
                 base_dir=base_dir or cfg.file_dir,
                 remote_reward=remote_reward,
+                delegates=cfg.delegates,
             )
         except ValidationError as exc:
             raise ValueError(f"eval config: {exc}") from exc
         if check_imports:
             from pinned_eval.agentic.imports import check_generate_imports
 
-            check_generate_imports(suite.resolved(), cwd=suite.base_dir)
+            check_generate_imports(suite.resolved())
         return suite
 
 

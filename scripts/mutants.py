@@ -56,7 +56,8 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
     (
         "pinned_eval.snapshot.confined",
         "pinned_eval/snapshot/confined.py",
-        ("test_sec_staging", "test_staging_paths", "test_sec_payloads", "test_eval_client", "test_mut_confined"),
+        ("test_sec_staging", "test_staging_paths", "test_sec_payloads", "test_eval_client", "test_mut_confined",
+         "test_sec_whole_paths"),
     ),
     (
         "trainer_integration.admission",
@@ -72,7 +73,8 @@ MODULES: list[tuple[str, str, tuple[str, ...]]] = [
     (
         "pinned_eval.snapshot.check",
         "pinned_eval/snapshot/check.py",
-        ("test_snapshot_check", "test_sec_snapshot_metadata", "test_staging_paths", "test_mut_check"),
+        ("test_snapshot_check", "test_sec_snapshot_metadata", "test_staging_paths", "test_mut_check",
+         "test_sec_snapshot_dtypes"),
     ),
     (
         "pinned_eval.snapshot.staging",

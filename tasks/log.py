@@ -5,15 +5,16 @@ with `eval/skipped_<reason>: 1`; every row is at the point's step.
 
 Nothing is lost to an exporter: the ledger (`pinned_eval.sinks.Ledger`, the sinks block's
 `jsonl_path`) is written first and is the record (its own failure fails the task). The exporters
-configured for the block come after it (`pinned_eval.sinks.EXPORTERS`, in order: the samples file
-`results`, the `samples` artifact, `wandb`, the point's `artifacts`), each retried
+configured for the block come after it, chosen through the one registry
+(`pinned_eval.sinks.EXPORTERS`, one module per tracker, in order: the samples file `results`, the
+`samples` artifact, `wandb`, `mlflow`, `tensorboard`, the point's `artifacts`), each retried
 (`SINK_ATTEMPTS`, exponential backoff), each declaring its own lock (`exclusive`, held here with
 `tasks.admission.exclusive`). An exporter that still fails does not change the point's outcome:
 `log_point` returns {exporter: error}, logs a WARNING naming it and the error, and rewrites the
 point's ledger rows with `sink_errors` and `eval/sink_failed_<exporter>: 1`; the flow adds
 `sink_note(...)` to the run's state message. Only `Exception`s are caught (a cancellation or
-deadline still unwinds). A W&B retry after a partial write may log the same row twice (same
-`eval/step`, same values).
+deadline still unwinds). A W&B, MLflow or TensorBoard retry after a partial write may log the same
+values twice at the same step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tasks import artifacts, results  # noqa: F401 - importing them registers th
 from tasks.admission import exclusive
 from tasks.progress import lag_steps
 
-SinkName = str  # an exporter's name: "results" | "samples" | "wandb" | "artifacts"
+SinkName = str  # an exporter's name: "results" | "samples" | "wandb" | "mlflow" | "tensorboard" | "artifacts"
 
 
 def _flow_run_id() -> str | None:

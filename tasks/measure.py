@@ -6,6 +6,12 @@ exporters (None when the posture publishes its own).
 - fleet: [fleet lock: pin the fleet to the snapshot → generate] → score;
 - shared: [fleet lock: verify the live engines serve `str(step)` → generate] → score;
 - external: [backend lock: the backend's `evaluate_checkpoint`] (it publishes its samples).
+A suite with `eval.delegate` entries (fleet and shared postures) runs them under the same fleet
+lock after generation (`tasks.delegate`; also when the generations came from the cache: then
+the fleet is pinned for them alone); their `eval/...` metrics are `Measured.delegated`, point-level
+metrics on every dataset row. A delegate metric named like one of pinned-eval's own
+(`eval/<dataset>...` of this point, `eval/step`, ...) is the skip `delegate_failed`, never an
+overwrite. The external posture refuses a suite with delegates (they need the fleet).
 With a results store (fleet posture), generations stored under this point's cache key are reused
 — no pin, no request — and only scored; fresh ones are stored before scoring
 (`pinned_eval.results.cache.generation_key`, keyed by the snapshot's digest). Chat templates come
@@ -26,7 +32,9 @@ from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.points import Posture
 from pinned_eval.results.cache import generation_key, snapshot_digest
 from pinned_eval.sinks import PointSamples
+from pinned_eval.skips import EvalSkipped, SkipReason
 from tasks.admission import pin_lock
+from tasks.delegate import delegate
 from tasks.external import backend_lock_name, evaluate_external
 from tasks.generate import generate
 from tasks.pin import pin_fleet, verify_shared
@@ -59,6 +67,12 @@ class MeasureInput(NamedTuple):
 class Measured(NamedTuple):
     per_dataset: dict[str, dict[str, float]]
     samples: PointSamples | None
+    delegated: dict[str, float] | None = None  # eval.delegate metrics (point-level)
+
+
+# point-level keys pinned-eval writes itself (tasks.outcome); a delegate may not name one
+OWN_POINT_KEYS = ("eval/step", "eval/lag_steps", "eval/duration_seconds", "eval/export_time_seconds",
+                  "eval/datasets_run", "eval/datasets_not_due")
 
 
 MeasureFn = Callable[[PointConfig, MeasureInput], Measured]
@@ -67,6 +81,9 @@ MeasureFn = Callable[[PointConfig, MeasureInput], Measured]
 def measure_external(cfg: PointConfig, point: MeasureInput) -> Measured:
     if point.snapshot is None or cfg.backend is None:  # PointRequest: external needs a source and backend_block
         raise ValueError("external posture: needs a snapshot and backend_block")
+    if cfg.suite.suite.delegates:
+        raise ValueError("eval.delegate: the external posture hands the checkpoint to a backend; delegates "
+                         "need the fleet (use the fleet or shared posture)")
     backend, options = cfg.backend.configuration()
     with pin_lock(backend_lock_name(backend, options)):
         metrics = evaluate_external(
@@ -99,22 +116,43 @@ def _generate_and_score(
             snapshot_digest(str(snapshot.local_path)), version, datasets, rows, tokenizer_dir, snapshot.lora_base
         )
     generations = cached_generations(results, run, step, key) if results is not None and key else None
-    if generations is None:
-        with pin_lock(cfg.fleet.lock_name):
-            prepare(cfg, point)
-            generations = generate(
-                cfg.fleet,
-                datasets,
-                rows,
-                version,
-                rid_prefix=f"{run}-{step}",
-                tokenizer_dir=tokenizer_dir,
-                lora_path=lora,
-            )
-        if results is not None and key:
-            store_generations(results, run, step, key, generations)
+    delegates = cfg.suite.suite.delegates
+    delegated: dict[str, float] = {}
+    if generations is None or delegates:
+        fresh = generations is None
+        try:
+            with pin_lock(cfg.fleet.lock_name):
+                prepare(cfg, point)
+                if generations is None:
+                    generations = generate(
+                        cfg.fleet,
+                        datasets,
+                        rows,
+                        version,
+                        rid_prefix=f"{run}-{step}",
+                        tokenizer_dir=tokenizer_dir,
+                        lora_path=lora,
+                    )
+                if delegates:
+                    spent = sum(g.usage.requests if g.usage else 1 for g in generations) if fresh else 0
+                    delegated = delegate(cfg.fleet, cfg.suite.suite, run, step, version, f"{run}-{step}", results,
+                                         lora, spent)
+        finally:  # generations made are kept for a rerun, also when a delegate then fails
+            if fresh and generations is not None and results is not None and key:
+                store_generations(results, run, step, key, generations)
+    assert generations is not None
     per_dataset, samples = score(generations, datasets, cfg.suite.suite, step, key)
-    return Measured(per_dataset, samples)
+    _no_collision(delegated, per_dataset, [d.name for d in cfg.suite.suite.delegates])
+    return Measured(per_dataset, samples, delegated)
+
+
+def _no_collision(delegated: dict[str, float], per_dataset: dict[str, dict[str, float]], names: list[str]) -> None:
+    """A delegate metric named like one of pinned-eval's own is `delegate_failed` (no overwrite)."""
+    own = {k for m in per_dataset.values() for k in m} | set(OWN_POINT_KEYS)
+    clash = sorted(k for k in delegated if k in own or k.startswith(("eval/skipped_", "eval/sink_failed_")))
+    if clash:
+        raise EvalSkipped(SkipReason.DELEGATE_FAILED,
+                          f"delegates {names}: metric {clash[0]!r} is one of pinned-eval's own for this point")
 
 
 def measure_fleet(cfg: PointConfig, point: MeasureInput) -> Measured:

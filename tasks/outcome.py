@@ -2,9 +2,9 @@
 and the janitor.
 
 - `record_measured`: the point's metrics (`pinned_eval.scoring.metrics.point_metrics` plus the
-  datasets run and not due) on every dataset's ledger row, the exporters (`tasks.log`), the
-  `measured` and `regressed` events (`tasks.alerts`), and the run's Completed state whose message
-  names each score, the datasets not due, the regressions and the failed exporters;
+  datasets run and not due, and the `eval.delegate` metrics) on every dataset's ledger row, the
+  exporters (`tasks.log`), the `measured` and `regressed` events (`tasks.alerts`), and the run's
+  Completed state whose message names each score, the datasets not due, the regressions and the failed exporters;
 - `record_skipped`: a WARNING naming the point, its `skipped` ledger row and exporters (when the
   sinks block loaded), the `skipped` event, and a Completed state named "Skipped" with the
   reason as message;
@@ -28,6 +28,7 @@ from prefect.states import Completed, State
 
 from blocks import EvalSuiteBlock, SinksBlock, StagingBlock
 from pinned_eval.points import SnapshotSource, flow_run_name
+from pinned_eval.prometheus import point_ended
 from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.sinks import Ledger
 from pinned_eval.skips import EvalSkipped, SkipReason
@@ -52,17 +53,26 @@ def record_measured(
 ) -> State:
     """`started`: the flow's `time.monotonic()` at its start (for `eval/duration_seconds`)."""
     per_dataset = measured.per_dataset
-    point = point_metrics(step, lag_steps(run, step), time.monotonic() - started, export_time_seconds)
+    seconds = time.monotonic() - started
+    point_ended(run, "measured", "", seconds)  # first: the count never waits on (or depends on) a sink
+    point = point_metrics(step, lag_steps(run, step), seconds, export_time_seconds)
     point.update({"eval/datasets_run": float(len(per_dataset)), "eval/datasets_not_due": float(len(not_due))})
+    delegated = measured.delegated or {}
+    point.update(delegated)  # eval.delegate metrics: point-level (tasks.measure refused clashes)
     sink_errors = log_point(run, step, measured_rows(run, step, per_dataset, point), sinks, measured.samples)
     regressed = emit_measured(run, step, per_dataset, suite.regression, sinks.jsonl_path)
     summary = ", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items())
+    summary += f"; {len(delegated)} delegate metrics" if delegated else ""
     summary += f" (not due: {', '.join(not_due)})" if not_due else ""
     summary += f"; regressed: {', '.join(r.dataset for r in regressed)}" if regressed else ""
     return Completed(message=f"measured {flow_run_name(run, step)}: {summary}{sink_note(sink_errors)}")
 
 
-def record_skipped(run: str, step: int, skip: EvalSkipped, sinks: SinksBlock | None) -> State:
+def record_skipped(
+    run: str, step: int, skip: EvalSkipped, sinks: SinksBlock | None, *, started: float | None = None
+) -> State:
+    """`started`: the flow's `time.monotonic()` at its start (the duration histogram), if known."""
+    point_ended(run, "skipped", str(skip.reason), time.monotonic() - started if started is not None else None)
     get_run_logger().warning("skipped %s: %s", flow_run_name(run, step), skip)
     sink_errors = {}
     if sinks is not None:
@@ -80,12 +90,15 @@ def record_failed(
     flow_run_id: str | None = None,
     export: bool = True,
     retire: Callable[[SinksBlock], object] | None = None,
+    seconds: float | None = None,
 ) -> None:
     """`sinks`: the block, or how to load it (after the event: a block that fails to load does not
     stop the alert). `flow_run_id`: the point's flow run, when recorded outside it (hook, janitor).
     `retire`: run between the event and the record (hook, janitor), so a visible record means the
-    snapshot was retired; the record is written even when it raises (then it propagates)."""
+    snapshot was retired; the record is written even when it raises (then it propagates).
+    `seconds`: how long the point ran, when known (the duration histogram)."""
     emit_failed(run, step, message, flow_run_id=flow_run_id)
+    point_ended(run, "failed", str(SkipReason.CRASHED), seconds)
     block = sinks() if callable(sinks) else sinks
     if block is None:  # the sinks block itself failed to load: nowhere to record
         return

@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from blocks.fleet import FleetBlock
 from pinned_eval.fleet.models import PinResult
+from pinned_eval.prometheus import pin_timed
 from pinned_eval.skip_mapping import fleet_skips
 from pinned_eval.skips import EvalSkipped, SkipReason
 
@@ -32,6 +33,7 @@ def pin_fleet(fleet: FleetBlock, snapshot_dir: str, weight_version: str, lora_ba
 
     with fleet_skips(f"fleet {fleet.name}"):  # router/transport trouble the client could not classify
         result = asyncio.run(pin())
+    pin_timed(fleet.name, result.duration_s)
     get_run_logger().info(
         "pinned %d engines to %s in %.1fs (attempts %d, revived %s)",
         len(result.engines),

@@ -41,3 +41,11 @@ def text_parity(response: str, label: str) -> float:
     import hashlib
 
     return float(hashlib.sha256(response.encode()).digest()[0] % 2 == 0)
+
+
+async def dapo_dict(args, sample) -> dict:  # type: ignore[no-untyped-def]
+    """A miles `async (args, sample)` reward in the shape of miles' dapo: a dict, the scalar under
+    `--reward-key score`; reads a search-r1-style object label (`ground_truth`)."""
+    truth = sample.label["ground_truth"] if isinstance(sample.label, dict) else sample.label
+    acc = sample.response.strip() == str(truth)
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": sample.response.strip()}

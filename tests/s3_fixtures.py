@@ -40,6 +40,21 @@ class S3Server:
         return name
 
 
+def save_prefect_aws_bucket(server: S3Server, bucket: str, folder: str = "", *, key: str = KEY,
+                            secret: str = SECRET) -> str:
+    """Save prefect-aws `AwsCredentials` (the server's keys and endpoint) and an `S3Bucket` naming
+    `bucket`/`folder` with them to the current Prefect server; returns the S3Bucket block's name."""
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    name = f"aws-{uuid.uuid4().hex[:10]}"
+    creds = AwsCredentials(aws_access_key_id=key, aws_secret_access_key=secret,
+                           aws_client_parameters=AwsClientParameters(endpoint_url=server.endpoint_url))
+    creds.save(name)
+    S3Bucket(bucket_name=bucket, bucket_folder=folder, credentials=AwsCredentials.load(name)).save(name)
+    return name
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     from moto.server import ThreadedMotoServer

@@ -3,7 +3,8 @@
 Contract:
 - `ExportTarget(root, storage_options)`: explicit `storage_options` are used as given. An `s3://`
   root without them is written with the saved staging block's endpoint and credentials, read by
-  `fetch(rest, block_name)` over the API. The client calls `fetch` from its admission thread
+  `fetch(rest, block_name)` over the API (a block naming a prefect-aws `S3Bucket`: that block's,
+  `pinned_eval.aws_bucket`). The client calls `fetch` from its admission thread
   (until it succeeds), never on the training loop's thread.
 - `staging()` is the `Staging` exports write into (None without a root). Before the block's
   credentials were read it raises `ApiUnavailableError` (that point is `export_failed`, the loop
@@ -16,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pinned_eval.aws_bucket import S3_BUCKET_SLUG, s3_bucket_location
 from pinned_eval.snapshot.layout import s3_storage_options
 from pinned_eval.snapshot.staging import Staging
 from trainer_integration.events import STAGING_BLOCK_SLUG
@@ -45,6 +47,16 @@ class ExportTarget:
             )
             return
         self._missing = None
+        if data.get("s3_bucket_block"):  # the staging block names a prefect-aws S3Bucket: its credentials
+            name = str(data["s3_bucket_block"])
+            bucket = rest.block_data(S3_BUCKET_SLUG, name, include_secrets=True)
+            try:
+                if bucket is None:
+                    raise ValueError(f"the staging block {block!r} names S3Bucket {name!r}, which does not exist")
+                self._options = s3_bucket_location(bucket, "s3_bucket_block", name)[1]
+            except ValueError as exc:  # a configuration error: `staging()` raises it, naming staging_root
+                self._missing = f"staging_root: {exc}"
+            return
         self._options = s3_storage_options(
             data.get("endpoint_url"), data.get("region_name"), data.get("aws_access_key_id"),
             data.get("aws_secret_access_key"),

@@ -176,6 +176,10 @@ class Spool:
                 self._quarantine(path, f"{type(exc).__name__}: {exc}")
         return entries
 
+    def depth(self) -> int:
+        """Entries waiting for delivery (counted by name, nothing read: cheap enough for a scrape)."""
+        return sum(1 for _ in self.dir.glob("[0-9]*.json"))
+
     def _quarantine(self, path: Path, why: str) -> None:
         dest = self.dir / QUARANTINE / path.name
         try:

@@ -153,8 +153,11 @@ def save_fleet(
 @save_app.command("staging")
 def save_staging(
     name: NameArg,
-    root: Annotated[str, typer.Option("--root", help="Directory (tmpfs recommended) or s3://bucket/prefix "
-                                      "where points stage snapshots.")],
+    root: Annotated[str | None, typer.Option("--root", help="Directory (tmpfs recommended) or s3://bucket/prefix "
+                                             "where points stage snapshots.")] = None,
+    s3_bucket_block: Annotated[str | None, typer.Option("--s3-bucket-block", help="A saved prefect-aws S3Bucket "
+                                                        "block (bucket, folder, AwsCredentials) instead of "
+                                                        "--root and the S3 flags.")] = None,
     source_root: Annotated[list[str] | None, typer.Option("--source-root", help="Directory or s3:// prefix "
                                                           "your checkpoints lie under, repeatable.")] = None,
     keep: Annotated[int, typer.Option("--keep", help="Staged snapshots kept per run for reruns.")] = 2,
@@ -168,7 +171,8 @@ def save_staging(
 ) -> None:
     """Save staging: where points stage snapshots, and where their sources may lie."""
     _save("staging", name, {
-        "root": root, "source_root": source_root or [], "keep": keep, "endpoint_url": endpoint_url,
+        "root": root, "s3_bucket_block": s3_bucket_block, "source_root": source_root or [], "keep": keep,
+        "endpoint_url": endpoint_url,
         "region": region, "s3_keys_from_env": s3_keys_from_env, "cache_dir": cache_dir,
         "cache_max_size": cache_max_size,
     }, overwrite)
@@ -192,13 +196,38 @@ def save_sinks(
                                                      "`compare` and `rescore` read them.")] = None,
     results_endpoint_url: Annotated[str | None, typer.Option("--results-endpoint-url", help="S3 endpoint of an "
                                                              "s3:// --results-root.")] = None,
+    results_s3_bucket_block: Annotated[str | None, typer.Option("--results-s3-bucket-block", help="A saved "
+                                                                "prefect-aws S3Bucket block as the results root "
+                                                                "instead of --results-root.")] = None,
+    mlflow_tracking_uri: Annotated[str | None, typer.Option("--mlflow-tracking-uri", help="MLflow tracking "
+                                                            "server http(s)://HOST:PORT (unset: no MLflow).")] = None,
+    mlflow_experiment: Annotated[str, typer.Option("--mlflow-experiment", help="Experiment of the eval run "
+                                                   "(without --mlflow-run-id).")] = "pinned-eval",
+    mlflow_run_id: Annotated[str | None, typer.Option("--mlflow-run-id", help="The training run's MLflow run "
+                                                      "id (default: a run <run>-eval of its own).")] = None,
+    mlflow_username: Annotated[str | None, typer.Option("--mlflow-username", help="MLflow basic-auth user.")] = None,
+    mlflow_credentials_from_env: Annotated[bool, typer.Option("--mlflow-credentials-from-env", help="Store "
+                                           "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD of this "
+                                           "shell (as secrets).")] = False,
+    mlflow_samples_per_dataset: Annotated[int, typer.Option("--mlflow-samples-per-dataset", help="Samples per "
+                                                            "dataset in the point's MLflow table.")] = 0,
+    tensorboard: Annotated[bool, typer.Option("--tensorboard", help="TensorBoard scalars in "
+                                              "<results-root>/<run>/tensorboard.")] = False,
+    tensorboard_dir: Annotated[Path | None, typer.Option("--tensorboard-dir", help="The trainer's TensorBoard "
+                                                         "log directory (points write its eval/).")] = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Save sinks: a JSONL metrics file and/or W&B (Prefect artifacts are always written)."""
+    """Save sinks: a JSONL metrics file, W&B, MLflow and/or TensorBoard (Prefect artifacts are always written)."""
     _save("sinks", name, {
         "jsonl": jsonl, "wandb_project": wandb_project, "wandb_entity": wandb_entity,
         "wandb_run_id": wandb_run_id, "wandb_writer": wandb_writer, "wandb_mode": wandb_mode,
         "wandb_dir": wandb_dir, "results_root": results_root, "results_endpoint_url": results_endpoint_url,
+        "results_s3_bucket_block": results_s3_bucket_block,
+        "mlflow_tracking_uri": mlflow_tracking_uri, "mlflow_experiment": mlflow_experiment,
+        "mlflow_run_id": mlflow_run_id, "mlflow_username": mlflow_username,
+        "mlflow_credentials_from_env": mlflow_credentials_from_env,
+        "mlflow_samples_per_dataset": mlflow_samples_per_dataset, "tensorboard": tensorboard,
+        "tensorboard_dir": tensorboard_dir,
     }, overwrite)
 
 

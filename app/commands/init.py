@@ -44,14 +44,19 @@ fleet:                       # the engines a point pins to one weight version
 
 staging:                     # where points stage snapshots, and where your checkpoints may lie
   root: .pinned-eval/staging # a local directory (tmpfs is best) or s3://bucket/prefix
+  # s3_bucket_block: my-bucket  # or a saved prefect-aws S3Bucket block instead of root (pinned-eval[aws])
   source_root: [checkpoints, .pinned-eval/tiny]   # a point's --source must lie under one of these
   keep: 2                    # staged snapshots kept per run, for `pinned-eval rerun`
 
 sinks:                       # where metrics go besides the Prefect UI
   jsonl: .pinned-eval/metrics.jsonl
   # results_root: .pinned-eval/results   # keep every point's samples: `pinned-eval compare` / `rescore`
+  # results_s3_bucket_block: my-bucket  # or a prefect-aws S3Bucket block as the results root
   # wandb_project: my-project
   # wandb_mode: offline      # offline, online or disabled
+  # mlflow_tracking_uri: http://127.0.0.1:5000   # MLflow (pip install 'pinned-eval[mlflow]')
+  # mlflow_run_id: <the training run's MLflow run id>   # unset: a run <run>-eval of its own
+  # tensorboard_dir: runs/exp1   # the trainer's TensorBoard logdir (pip install 'pinned-eval[tensorboard]')
 """
 
 EVAL_CONFIG = """\

@@ -178,7 +178,20 @@ def check_source_roots(client: SyncPrefectClient, source: SnapshotSource, stagin
     from pinned_eval.source_roots import SourceOutsideRoots, check_within_roots
 
     doc = client.read_block_document_by_name(staging, BLOCK_FLAGS["staging"], include_secrets=False)
-    roots = [str(doc.data.get("root")), *map(str, doc.data.get("source_roots") or [])]
+    root = doc.data.get("root")
+    if doc.data.get("s3_bucket_block"):  # a prefect-aws S3Bucket names the root (its bucket and folder)
+        from prefect.exceptions import ObjectNotFound
+
+        from pinned_eval.aws_bucket import S3_BUCKET_SLUG, s3_bucket_url
+
+        name = str(doc.data["s3_bucket_block"])
+        try:
+            bucket = client.read_block_document_by_name(name, S3_BUCKET_SLUG, include_secrets=False)
+        except ObjectNotFound:
+            fail(f"--staging: staging block {staging!r} names the S3Bucket block {name!r}, which does not exist; "
+                 "nothing was sent", 2)
+        root = s3_bucket_url(bucket.data)
+    roots = [str(root), *map(str, doc.data.get("source_roots") or [])]
     for flag, path in (("--source", source.path), ("--hf-base", source.hf_base)):
         if path is None:
             continue

@@ -9,7 +9,8 @@ operation failed.
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -63,6 +64,11 @@ def deploy() -> None:
 def worker(
     query_seconds: Annotated[float, typer.Option(help="How often the worker polls for runs.")] = 0.5,
     pool: Annotated[str, typer.Option(help="Work pool to take flow runs from.")] = "pinned-eval",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Serve Prometheus metrics of the points on this port (0: any free one; docs/metrics.md)."),
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address the metrics endpoint binds.")] = "127.0.0.1",
 ) -> None:
     """Run a process worker on the `pinned-eval` pool in the foreground, with its warm-start fork
     server and backend host beside it (started first; recorded in `<home>/stack.json`).
@@ -71,7 +77,9 @@ def worker(
     warm-start server and the backend host this command started (the host disposes its backends),
     and exits 0. A flow run in flight gets SIGTERM first and is waited for: it ends Crashed and
     its snapshot is retired. If this command is SIGKILLed, the processes it started are killed with it
-    (parent-death signal): nothing is left taking points."""
+    (parent-death signal): nothing is left taking points. With `--metrics-port`, this process
+    serves the points' Prometheus metrics at `http://<metrics-host>:<port>/metrics` (printed to
+    stderr as `metrics: URL`), read from `<home>/metrics` (docs/metrics.md)."""
     stack = _stack()
     if not stack.state().api_url:
         fail(f"no server recorded in {stack.home}: start it with `pinned-eval server up` (and `pinned-eval deploy`)")
@@ -79,5 +87,35 @@ def worker(
 
     with prefect_client():  # a server that is down: one line naming `server up`, never a traceback
         pass
-    code = stack.run_worker(query_seconds=query_seconds, pool=pool)
+    server: Any = None
+    extra_env: dict[str, str] = {}
+    if metrics_port is not None:
+        server, extra_env = _serve_metrics(stack.home / "metrics", metrics_port, metrics_host)
+    try:
+        code = stack.run_worker(query_seconds=query_seconds, pool=pool, extra_env=extra_env)
+    finally:
+        if server is not None:
+            server.shutdown()
     raise typer.Exit(code)
+
+
+def _serve_metrics(root: Path, port: int, host: str) -> tuple[Any, dict[str, str]]:
+    """Start the endpoint; the environment that makes the worker's flow runs record into `root`."""
+    from pinned_eval.prometheus import METRICS_DIR_ENV, private_metrics_dir, serve_metrics
+    from pinned_eval.trusted_paths import UntrustedPathError
+
+    if not 0 <= port <= 65535:
+        fail(f"--metrics-port: {port} is not a port (0-65535)")
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        fail("--metrics-port: needs prometheus_client: pip install 'pinned-eval[prometheus]'")
+    try:
+        private_metrics_dir(root)
+        server, url = serve_metrics(root, port, host)
+    except UntrustedPathError as exc:
+        fail(f"--metrics-port: {exc}")
+    except OSError as exc:
+        fail(f"--metrics-port: cannot serve on {host}:{port}: {exc.strerror or exc}")
+    typer.echo(f"metrics: {url}", err=True)
+    return server, {METRICS_DIR_ENV: str(root)}

@@ -1,7 +1,8 @@
 """The worker's side of the runner (`pinned_eval.agentic.runner`): `AgentRunner`.
 
 Contract:
-- `async with AgentRunner(init) as runner:` starts `python -m pinned_eval.agentic.runner` with
+- `async with AgentRunner(init, python=None) as runner:` starts `pinned_eval.agentic.runner`
+  (under `python`, else this interpreter; `pinned_eval.agentic.imports.runner_command`) with
   `pinned_eval.processes.pipe_child_options` (own process group, parent-death SIGKILL, an
   address-space limit of `memory_bytes`), sends `init` and waits for `ready` (`startup_s`);
   on exit the process group is stopped (SIGTERM, then SIGKILL), so nothing it started stays.
@@ -20,10 +21,10 @@ import contextlib
 import itertools
 import json
 import os
-import sys
 from types import TracebackType
 from typing import Any
 
+from pinned_eval.agentic.imports import runner_command
 from pinned_eval.processes import pipe_child_options, stop_groups
 
 __all__ = ["MAX_EVENT_BYTES", "STDERR_TAIL", "AgentError", "AgentRunner"]
@@ -51,12 +52,14 @@ class AgentRunner:
         startup_s: float = 60.0,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        python: str | None = None,
     ) -> None:
         self._init = {"op": "init", **init}
         self._memory = memory_bytes
         self._startup_s = startup_s
         self._cwd = cwd
         self._env = env
+        self._python = python
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[list[dict[str, Any]]]] = {}
         self._ready: asyncio.Future[dict[str, Any]] | None = None
@@ -72,10 +75,11 @@ class AgentRunner:
 
     async def __aenter__(self) -> AgentRunner:
         self._ready = asyncio.get_running_loop().create_future()
+        argv, boot_env = runner_command(self._python)
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pinned_eval.agentic.runner",
+            *argv,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            limit=MAX_EVENT_BYTES, cwd=self._cwd, env={**os.environ, **(self._env or {})},
+            limit=MAX_EVENT_BYTES, cwd=self._cwd, env={**os.environ, **boot_env, **(self._env or {})},
             **pipe_child_options(memory_bytes=self._memory),  # type: ignore[arg-type]
         )
         self._tasks = [asyncio.create_task(self._read_events()), asyncio.create_task(self._drain_stderr())]

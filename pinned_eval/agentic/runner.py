@@ -23,10 +23,14 @@ code prints goes to stderr, so it cannot forge an event):
   naming the exception's type;
 - requests run concurrently; `{"event": "heartbeat"}` is written every `HEARTBEAT_S`; EOF on
   stdin ends the process.
+- the worker starts it through `pinned_eval.agentic.imports.runner_command`: the working directory
+  is not on `sys.path`, only the init's `python_path` (checked by the worker first) and the
+  interpreter's own paths;
 - `args` (miles' namespace, §1.7 names): `DEFAULT_ARGS`, then the init's `miles_args`, then the
   request's `args`; `sglang_router_ip/port` name the point gateway.
-`python -m pinned_eval.agentic.runner --check PATH...` imports each function path with the surface
-installed and prints one JSON line: `{"ok": true}` or `{"ok": false, "path", "message"}`.
+`python -m pinned_eval.agentic.runner --check PATH... [--python-path DIR]...` imports each function
+path with the surface installed and those roots first on `sys.path`, and prints one JSON line:
+`{"ok": true}` or `{"ok": false, "path", "message"}`.
 """
 
 from __future__ import annotations
@@ -233,13 +237,15 @@ def installed_surface() -> bool:
 
 
 
-def check_paths(paths: list[str]) -> dict[str, Any]:
-    """Import every path with the surface installed; the first failure, named."""
+def check_paths(paths: list[str], python_path: list[str] | None = None) -> dict[str, Any]:
+    """Import every path with the surface installed and `python_path` first on `sys.path` (as
+    `init` puts it); the first failure, named."""
     from pinned_eval.agentic import compat
     from pinned_eval.plugins import load_object
 
+    for root in reversed(python_path or []):
+        sys.path.insert(0, root)
     compat.install()
-    sys.path.insert(0, os.getcwd())
     for path in paths:
         try:
             load_object(path, expect=lambda obj: obj is not None, what=f"generate function {path!r}")
@@ -259,12 +265,13 @@ async def _amain(out: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pinned_eval.agentic.runner")
     parser.add_argument("--check", nargs="*", default=None, help="dry-import these generate function paths")
+    parser.add_argument("--python-path", action="append", default=[], help="an import root (--check)")
     ns = parser.parse_args(argv)
     out = os.fdopen(os.dup(1), "wb")  # the protocol stream; fd 1 now goes to stderr (user prints)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     if ns.check is not None:
-        _emit(out, check_paths(ns.check))
+        _emit(out, check_paths(ns.check, ns.python_path))
         return
     asyncio.run(_amain(out))
 

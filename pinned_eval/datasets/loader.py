@@ -5,7 +5,10 @@ Contract:
   `max_prompts` keeps the first N rows.
 - `prompt` is a string, or (only with `apply_chat_template`) a list of `{role, content}` messages.
 - `label` keeps its JSON type, a string or a number (JSON `7` stays the int 7), as miles hands it
-  to its rewards (an int `0` label scores 0 in `math`; an int label is refused by `f1`).
+  to its rewards (an int `0` label scores 0 in `math`; an int label is refused by `f1`); an object
+  or a list (search-r1's `{"ground_truth": ...}`) only where something reads the raw value
+  (`reads_structured_labels`: a custom reward, `remote_rm`, a generate function), else a
+  `DatasetError` naming the key and the reward.
 - `metadata`: with `metadata_key`, the row's object under that key (a mapping, or a JSON object
   string as Parquet exports often hold; null is {}; the key must exist); without it, every other column of
   the row, unchanged. `metadata_overrides` are then set on it (miles `inject_metadata`).
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pinned_eval.datasets.spec import ResolvedDataset
+from pinned_eval.scoring.answers import Label
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -47,9 +51,15 @@ class EvalSample:
 
     index: int
     prompt: str | list[dict[str, Any]]
-    label: str | int | float
+    label: Label
     metadata: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
+
+
+def reads_structured_labels(spec: ResolvedDataset) -> bool:
+    """Whether `spec`'s rows may carry an object or list label (miles hands the raw JSON value to
+    custom rewards and generate functions; pinned-eval's built-in rewards read strings and numbers)."""
+    return spec.generate_function is not None or spec.reward.startswith("custom:") or spec.reward == "remote_rm"
 
 
 def load_dataset(spec: ResolvedDataset) -> list[EvalSample]:
@@ -131,8 +141,15 @@ def _to_sample(index: int, where: str, row: Any, spec: ResolvedDataset) -> EvalS
             "(chat message lists need apply_chat_template)"
         )
     label = row[spec.label_key]
-    if isinstance(label, bool) or not isinstance(label, str | int | float):
-        raise DatasetError(f"{where}: key {spec.label_key!r} must be a string or a number, got {label!r:.80}")
+    structured = isinstance(label, dict | list)
+    if isinstance(label, bool) or not isinstance(label, str | int | float | dict | list):
+        raise DatasetError(f"{where}: key {spec.label_key!r} must be a string, a number, an object or a list, "
+                           f"got {label!r:.80}")
+    if structured and not reads_structured_labels(spec):
+        raise DatasetError(
+            f"{where}: key {spec.label_key!r} is a JSON {'object' if isinstance(label, dict) else 'list'}; reward "
+            f"{spec.reward!r} needs a string or a number (a structured label is for a custom reward, remote_rm or "
+            "a generate function)")
     metadata = _metadata(where, row, spec)
     tools = _tools(where, row, spec.tool_key)
     if tools is not None:

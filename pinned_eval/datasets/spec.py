@@ -97,6 +97,14 @@ class ResolvedDataset(BaseModel):
     task_dir: Path | None = Field(default=None, description="Absolute directory of local lm-eval task YAMLs.")
     lm_eval_model: LmEvalModel = Field(default="local-completions", description="lm-eval's API model.")
     num_fewshot: int | None = Field(default=None, ge=0, description="lm-eval --num_fewshot; None: the task's.")
+    python_path: tuple[str, ...] = Field(
+        default=(), description="Absolute import roots of the generate-function runner (docs/agentic.md)."
+    )
+    miles_python: str | None = Field(
+        default=None, description="Interpreter of the generate-function runner (a miles venv's python); None: ours."
+    )
+    reward_key: str | None = Field(default=None, description="miles --reward-key: the scalar of a dict reward.")
+    eval_reward_key: str | None = Field(default=None, description="miles --eval-reward-key (default: reward_key).")
 
     @property
     def rollout(self) -> str:

@@ -57,6 +57,7 @@ class SampleState:
     turns: int = 0
     tokens: int = 0
     breach: str | None = None
+    closed: bool = False  # DELETE /sessions/{id}: no call is admitted afterwards
     transcript: list[dict[str, Any]] = field(default_factory=list)
 
 

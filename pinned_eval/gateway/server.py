@@ -12,6 +12,15 @@ Contract:
   base URL; an unknown id is 404). On top-level routes the header `X-SMG-Routing-Key` names the
   sample instead. Only the JSON body goes on (no header of the caller): the session adds the fleet's
   key, bounds concurrency, retries aborts and checks the weight version of every reply.
+- `DELETE /sessions/{id}` closes that sample's session early (200 `{id, closed: true, calls}`):
+  every later call of the sample (its session routes, or the header naming it) is 404 "session
+  closed", and so is a second DELETE; calls admitted before the close finish and are recorded, so
+  its `transcript(key)` is final once they are answered; `closed(key)` says so.
+- Adapter mode (`session.lora`, the pinned adapter's name): every forwarded body, `/v1` routes
+  included, names it as `lora_path` (SGLang's field; on `/v1` it wins over a `model` of the form
+  `base:adapter`, and the router passes it on), so no call runs on the base weights under the
+  adapter's version label. A body whose `lora_path` names another adapter, or any adapter on a
+  full-weights point, is 400 before anything is forwarded.
 - A reply of another weight version: `violation` = the `WeightVersionMismatch` (the point's skip
   `pin_violation`), the call and every later one are answered 409 naming both versions.
 - Per-point budget breach (`GatewayLimits`): `violation` = `AgentBudgetExceeded` (skip
@@ -78,6 +87,10 @@ class _Refused(Exception):
         super().__init__(message)
 
 
+def _closed(key: str) -> _Refused:
+    return _Refused(404, f"session closed: DELETE /sessions/{{id}} ended sample {key!r}; its transcript is final")
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"object": "error", "message": message, "code": status}, status_code=status)
 
@@ -104,12 +117,11 @@ class PointGateway:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> PointGateway:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock = self._listener()
         port = sock.getsockname()[1]
         config = uvicorn.Config(self._app, lifespan="off", log_level="warning", access_log=False,
-                                server_header=False, date_header=False, timeout_graceful_shutdown=1)
+                                proxy_headers=False, server_header=False, date_header=False,
+                                timeout_graceful_shutdown=1)
         self._server = server = _Server(config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]))
         ready = asyncio.create_task(server.ready.wait())
@@ -122,6 +134,16 @@ class PointGateway:
         self._sock = sock
         self.base_url = f"http://127.0.0.1:{port}"
         return self
+
+    @staticmethod
+    def _listener() -> socket.socket:
+        """The bound socket (127.0.0.1, ephemeral port). `IPPROTO_TCP` named explicitly: asyncio turns
+        Nagle off (TCP_NODELAY) only on sockets whose `proto` says TCP, and with Nagle on every reply
+        (headers, then body: two writes) waited for the client's delayed ACK, ~40 ms per call."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        return sock
 
     async def __aexit__(self, *exc: object) -> None:
         if self._server is not None and self._task is not None:
@@ -142,6 +164,11 @@ class PointGateway:
             self._session_ids[state.session_id] = sample_key
         return f"{self.base_url}/sessions/{state.session_id}"
 
+    def closed(self, sample_key: str) -> bool:
+        """Whether `sample_key`'s session was closed (`DELETE /sessions/{id}`): its transcript is final."""
+        state = self._samples.get(sample_key)
+        return state is not None and state.closed
+
     def transcript(self, sample_key: str) -> list[dict[str, Any]]:
         """The recorded calls of `sample_key`, in order (empty for a sample that made none)."""
         state = self._samples.get(sample_key)
@@ -161,6 +188,7 @@ class PointGateway:
             Route("/v1/models", self._models, methods=["GET"]),
             *(Route(p, self._handler(p, sessioned=False), methods=post) for p in _NEEDS),
             *(Route("/sessions/{sid}" + p, self._handler(p, sessioned=True), methods=post) for p in _NEEDS),
+            Route("/sessions/{sid}", self._close, methods=["DELETE"]),
         ]
 
     async def _health(self, request: Request) -> Response:
@@ -187,6 +215,24 @@ class PointGateway:
             record.latency_s = time.perf_counter() - started
             self.calls.append(record)
 
+    async def _close(self, request: Request) -> Response:
+        """`DELETE /sessions/{id}`: the sample's session ends; no call of it is admitted afterwards."""
+        started = time.perf_counter()
+        record = CallRecord(route="/sessions/{id}", sample_key=None, status=200)
+        try:
+            if not self._authorized(request):
+                raise _Refused(401, "missing or wrong bearer token for this point's gateway")
+            state = self._session_state(request.path_params["sid"])
+            record.sample_key = state.key
+            state.closed = True
+            return JSONResponse({"id": request.path_params["sid"], "closed": True, "calls": len(state.transcript)})
+        except _Refused as exc:
+            record.status, record.error = exc.status, exc.message
+            return _error(exc.status, exc.message)
+        finally:
+            record.latency_s = time.perf_counter() - started
+            self.calls.append(record)
+
     def _handler(self, path: str, *, sessioned: bool) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             return await self._call(request, path, sessioned)
@@ -203,7 +249,7 @@ class PointGateway:
                 raise _Refused(401, "missing or wrong bearer token for this point's gateway")
             key = self._sample_key(request, sessioned)
             record.sample_key = key
-            body = await self._body(request, path)
+            body = self._pin_adapter(path, await self._body(request, path))
             state = self._admit(key)
             self._seq += 1
             status, payload = await self._forward(path, body, state, rid=f"gw{self._seq}")
@@ -268,11 +314,29 @@ class PointGateway:
 
     def _sample_key(self, request: Request, sessioned: bool) -> str | None:
         if sessioned:
-            key = self._session_ids.get(request.path_params["sid"])
-            if key is None:
-                raise _Refused(404, "unknown session: open it with the gateway's open_sample")
-            return key
+            return self._session_state(request.path_params["sid"]).key
         return request.headers.get(ROUTING_KEY) or None
+
+    def _session_state(self, sid: str) -> SampleState:
+        key = self._session_ids.get(sid)
+        if key is None:
+            raise _Refused(404, "unknown session: open it with the gateway's open_sample")
+        state = self._samples[key]
+        if state.closed:
+            raise _closed(key)
+        return state
+
+    def _pin_adapter(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Name the point's adapter (adapter mode) in the body, as SGLang reads it on every route:
+        `lora_path` (on `/v1` it takes precedence over a `model` of the form `base:adapter`). A body
+        that names another adapter, or any adapter on a full-weights point, is refused."""
+        lora, given = self.session.lora, body.get("lora_path")
+        names = given if isinstance(given, list) else [given]
+        if lora is None and any(n is not None for n in names):
+            raise _Refused(400, f"{path}: lora_path: this point serves full weights, not an adapter (leave it out)")
+        if lora is not None and any(n is not None and n != lora for n in names):
+            raise _Refused(400, f"{path}: lora_path: {given!r:.80} is not this point's adapter {lora!r} (leave it out)")
+        return body if lora is None else {**body, "lora_path": lora}
 
     def _admit(self, key: str | None) -> SampleState | None:
         """Refuse the call if the point is over (violation, budget) or its sample is; else admit it."""
@@ -288,6 +352,8 @@ class PointGateway:
         if key is None:
             return None
         state = self._sample(key)
+        if state.closed:
+            raise _closed(key)
         if state.breach is not None:
             raise _Refused(429, f"sample {key!r}: {state.breach}")
         if lim.max_turns_per_sample is not None and state.turns >= lim.max_turns_per_sample:

@@ -10,18 +10,26 @@ Contract:
   string or a message list); `metadata` holds the row's tools; `label` its JSON value.
 - miles' `args` (`pinned_eval.agentic.runner.DEFAULT_ARGS`): the router is the gateway; the
   dataset's reward as `rm_type` / `custom_rm_path`; `hf_checkpoint` the pinned snapshot; the
-  dataset's generate-function flags (`generate_max_turns`, ...). `sampling_params` are the
-  dataset's (`single_turn.sampling`, seed i * 1000 + j), plus miles' `no_stop_trim` and
-  `spaces_between_special_tokens`. The sample's routing key is `<dataset>-<i>-<j>`, the
+  dataset's generate-function flags (`generate_max_turns`, ...). `sampling_params` are miles'
+  `compute_sampling_params` of the dataset: temperature, top_p, top_k, max_new_tokens, `stop`
+  (None when empty), `stop_token_ids` None, `skip_special_tokens` False (so a response keeps its
+  EOS text, as miles' does), `no_stop_trim`, `spaces_between_special_tokens` False
+  (`MILES_SAMPLING`), plus `sampling_seed` i * 1000 + j. The sample's routing key is `<dataset>-<i>-<j>`, the
   gateway's per-sample key.
 - `produce` sends one sample and awaits its `Sample`s: several when the function returns a list
   (multi-agent), each kept as an eval sample as miles does. A reward set during generation is
-  kept; the dataset's reward scores the others in the runner (ABORTED ones get none); `status`
+  kept; the dataset's reward scores the others in the runner (ABORTED ones get none); a dict
+  reward counts by its `eval_reward_key or reward_key` entry (`scoring.miles_custom.reward_value`,
+  miles' eval rule), anything but a number is `agent_error`; `status`
   is miles' status name and `finish_reason` the one it implies (truncated -> `length`). Each
   sample gets its own gateway session (`session_url`, the agent function's `base_url`); the
   gateway's transcript of the sample (calls made in its session or naming its routing key) is
   kept as `messages` and counted as `turns`; an agent function's sample (miles' hub
   `agentic_tool_call`) takes its response, status and weight versions from the last reply there.
+- the runner's import roots: the constructor's `python_path`, then the datasets' (`python_path`,
+  by default the YAML's directory: the roots the suite-load check used), each checked by
+  `pinned_eval.agentic.imports.check_import_roots`; its interpreter the datasets' `miles_python`
+  (else this one). A refused root or interpreter is the skip `agent_error`, before anything runs.
 - the gateway's limits: the constructor's `limits`, else the datasets' `agent_*` fields (the
   suite's, `gateway_limits`); a sample's deadline `sample_timeout_s`, else its dataset's
   `agent_sample_timeout_s`.
@@ -41,12 +49,15 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pinned_eval.agentic.client import AgentError, AgentRunner
+from pinned_eval.agentic.imports import check_import_roots, check_interpreter, runner_settings
 from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.datasets.spec import ResolvedDataset
 from pinned_eval.prompts import PromptRenderer
 from pinned_eval.rollout.session import PointSession
 from pinned_eval.rollout.single_turn import sampling
 from pinned_eval.rollout.types import Sample, Usage
+from pinned_eval.scoring.answers import RewardTypeError
+from pinned_eval.scoring.miles_custom import reward_value
 from pinned_eval.skips import EvalSkipped, SkipReason
 
 if TYPE_CHECKING:  # the gateway imports the rollout package (the session): imported where used
@@ -54,6 +65,11 @@ if TYPE_CHECKING:  # the gateway imports the rollout package (the session): impo
 
 __all__ = ["FINISH_OF_STATUS", "FunctionRollout", "dataset_args", "gateway_limits"]
 
+# what miles' `compute_sampling_params` adds to the eval's temperature / top_p / top_k / max_new_tokens
+# (`rollout_stop_token_ids`, `rollout_skip_special_tokens` at miles' defaults): the response keeps
+# the EOS text as miles' does
+MILES_SAMPLING: dict[str, Any] = {"stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+                                  "spaces_between_special_tokens": False}
 FINISH_OF_STATUS = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "failed"}
 
 
@@ -71,6 +87,8 @@ def dataset_args(ds: ResolvedDataset) -> dict[str, Any]:
         "rollout_top_k": ds.top_k,
         "rollout_stop": list(ds.stop) or None,
         "n_samples_per_eval_prompt": ds.n_samples_per_prompt,
+        "reward_key": ds.reward_key,
+        "eval_reward_key": ds.eval_reward_key,
     }
     for flag in ("generate_max_turns", "generate_tool_specs_path", "generate_tool_call_parser",
                  "generate_execute_tool_function_path", "custom_agent_function_path"):
@@ -128,20 +146,27 @@ class FunctionRollout:
             (ds.name, s.index): renderer.render(ds, s).text if ds.apply_chat_template else s.prompt
             for ds in datasets for s in rows[ds.name]
         }
+        try:
+            roots, python = runner_settings(datasets)
+            roots = check_import_roots([*self.python_path, *(r for r in roots if r not in self.python_path)])
+            if python is not None:
+                check_interpreter(python)
+        except ValueError as exc:
+            raise EvalSkipped(SkipReason.AGENT_ERROR, f"generate-function runner: {exc}") from None
         async with PointGateway(session, self.limits or gateway_limits(datasets)) as gateway:
             url = urlsplit(gateway.base_url)
             init = {
                 "miles_args": {"sglang_router_ip": url.hostname, "sglang_router_port": url.port,
                                "hf_checkpoint": session.tokenizer_dir},
                 "gateway": {"base_url": gateway.base_url, "token": gateway.token},
-                "python_path": self.python_path,
+                "python_path": roots,
             }
-            async with AgentRunner(init, memory_bytes=self.memory_bytes) as runner:
+            async with AgentRunner(init, memory_bytes=self.memory_bytes, python=python) as runner:
 
                 async def produce(ds: ResolvedDataset, row: EvalSample, j: int) -> list[Sample]:
                     key = f"{ds.name}-{row.index}-{j}"
-                    params = {**sampling(ds, seed=row.index * 1000 + j), "no_stop_trim": True,
-                              "spaces_between_special_tokens": False}
+                    params = {**sampling(ds, seed=row.index * 1000 + j), **MILES_SAMPLING,
+                              "stop": list(ds.stop) or None}
                     request = {
                         "function": ds.generate_function,
                         "args": dataset_args(ds),
@@ -181,12 +206,12 @@ def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], c
         rec = {**rec, "response": last.get("text") or "", "response_length": last.get("completion_tokens") or 0,
                "status": "truncated" if last.get("finish_reason") == "length" else "completed",
                "weight_versions": [c["weight_version"] for c in calls if c.get("weight_version")]}
-    reward = rec.get("reward")
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+    try:  # miles' eval: reward[eval_reward_key or reward_key] for a dict reward
+        reward = reward_value("of the generate function", rec.get("reward"), ds.eval_reward_key or ds.reward_key)
+    except RewardTypeError as exc:
         raise EvalSkipped(
-            SkipReason.AGENT_ERROR,
-            f"dataset {ds.name!r} sample {row.index} (j={j}): TypeError: reward {reward!r:.80} is not a number",
-        )
+            SkipReason.AGENT_ERROR, f"dataset {ds.name!r} sample {row.index} (j={j}): TypeError: {exc}"[:900]
+        ) from None
     status = rec.get("status")
     versions = rec.get("weight_versions") or []
     prompt = rec.get("prompt")
@@ -202,7 +227,7 @@ def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], c
         finish_reason=FINISH_OF_STATUS.get(str(status)),
         weight_version=versions[-1] if versions else None,
         status=status,
-        reward=None if reward is None else float(reward),
+        reward=reward,
         turns=len(calls),
         messages=calls or None,
         usage=Usage(requests=len(calls)),

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pinned_eval.scoring.answers import Label
+
 if TYPE_CHECKING:
     from pinned_eval.datasets.loader import EvalSample
     from pinned_eval.datasets.spec import ResolvedDataset
@@ -46,7 +48,7 @@ class Sample(BaseModel):
     prompt_index: int
     sample_index: int
     prompt: str
-    label: str | int | float  # the row's label with its JSON type (miles' rewards see it typed)
+    label: Label  # the row's label with its JSON type (miles' rewards see it typed; an object too)
     metadata: dict[str, Any]
     response: str
     response_len: int

@@ -4,7 +4,9 @@
 - `RewardRefused`: a row miles' reward would raise on (a dapo label that is not a number, an f1
   label that is not a string, ...). It is never turned into a score: the eval point is skipped as
   `reward_unavailable` (see `pinned_eval.skip_mapping`).
-- `Label`: a label as miles sees it, with its JSON type kept (str, int or float).
+- `Label`: a label as miles sees it, with its JSON type kept (str, int or float; an object or a
+  list, as search-r1's `{"ground_truth": ...}`, for custom rewards and generate functions only:
+  the loader refuses one for a built-in reward).
 - `last_boxed`: the last `\\boxed{...}` (or `\\boxed x`) of a text, as miles extracts it.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-Label = str | int | float
+Label = str | int | float | dict[str, Any] | list[Any]
 
 
 class RewardRefused(ValueError):

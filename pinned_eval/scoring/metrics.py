@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pinned_eval.scoring.answers import Label
 from pinned_eval.scoring.passk import mean_pass_at_k, pass_at_k_values
 from pinned_eval.scoring.rewards import RewardFn
 from pinned_eval.scoring.stats import bootstrap_ci, majority_at_k, pass_hat_k, stderr, vote_key
@@ -61,7 +62,7 @@ class ScoredSample:
         prompt_index: int,
         sample_index: int,
         response: str,
-        label: str | int | float,
+        label: Label,
         response_len: int,
         finish_reason: str | None,
         weight_version: str | None,

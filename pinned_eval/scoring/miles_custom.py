@@ -6,7 +6,8 @@ builds a `MilesSample` carrying the fields miles' reward functions read (`prompt
 from the suite (`EvalSuite.miles_args`: `rm_type`, `custom_rm_path`, `n_samples_per_eval_prompt`,
 `eval_temperature`, ...). The coroutine runs to completion on its own event loop in a worker
 thread (the scorer may already be inside one). It must return a real number, a dict holding
-`args.reward_key` (else `"score"`), or None; anything else raises `RewardTypeError`.
+`args.eval_reward_key or args.reward_key` (else `"score"`), or None (`reward_value`); anything
+else raises `RewardTypeError`.
 """
 
 from __future__ import annotations
@@ -44,17 +45,37 @@ def is_miles_sample_reward(fn: Callable[..., object]) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) == 2
 
 
-def _value(name: str, raw: object, args: SimpleNamespace) -> float | None:
+def eval_reward_key(args: Any) -> str | None:
+    """miles' eval rule: `args.eval_reward_key or args.reward_key` (None: neither set)."""
+    return getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+
+
+def reward_value(name: str, raw: object, key: str | None) -> float | None:
+    """The scalar of a reward as miles' eval takes it (`sample.reward[key]` when `key` is set,
+    else `sample.reward`), with `key` being `eval_reward_key(args)`:
+    - a dict: its `key` (`"score"` when no key is set: miles would log the dict itself); a
+      dict without it raises `RewardTypeError` naming the key (miles: KeyError); a bool under
+      the key counts 1.0 / 0.0, as miles' mean of `[True, False]` does (dapo's `acc`);
+    - a real number, or None: itself, also when a key is set (miles on main indexes it and
+      raises; the number is what a scalar reward means);
+    - anything else raises `RewardTypeError`."""
     if isinstance(raw, Mapping):
-        key = getattr(args, "reward_key", None) or "score"
-        if key not in raw:
-            raise RewardTypeError(f"reward {name!r} returned a dict without {key!r}: {raw!r:.120}")
-        raw = raw[key]
+        used = key or "score"
+        if used not in raw:
+            raise RewardTypeError(f"reward {name!r} returned a dict without {used!r} (eval_reward_key/reward_key): "
+                                  f"{raw!r:.120}")
+        raw = raw[used]
+        if isinstance(raw, bool):
+            return float(raw)
     if raw is None:
         return None
     if isinstance(raw, numbers.Real) and not isinstance(raw, bool) and raw == raw:
         return float(raw)
     raise RewardTypeError(f"reward {name!r} returned {raw!r} ({type(raw).__name__}); expected a float or None")
+
+
+def _value(name: str, raw: object, args: SimpleNamespace) -> float | None:
+    return reward_value(name, raw, eval_reward_key(args))
 
 
 def miles_sample_reward(name: str, fn: Callable[..., Any]) -> Callable[..., float | None]:
@@ -68,7 +89,7 @@ def miles_sample_reward(name: str, fn: Callable[..., Any]) -> Callable[..., floa
         prompt: str = "",
         args: SimpleNamespace | None = None,
     ) -> float | None:
-        ns = args if args is not None else SimpleNamespace(custom_rm_path=name, reward_key=None)
+        ns = args if args is not None else SimpleNamespace(custom_rm_path=name, reward_key=None, eval_reward_key=None)
         sample = MilesSample(prompt=prompt, response=response, label=label, metadata=dict(metadata or {}))
         with ThreadPoolExecutor(max_workers=1) as pool:  # exceptions propagate: a crashed point
             raw = pool.submit(asyncio.run, fn(ns, sample)).result()

@@ -47,6 +47,7 @@ from pydantic import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from pinned_eval.scoring.answers import Label
 from pinned_eval.scoring.miles_custom import score_with_sample
 from pinned_eval.scoring.rewards import REMOTE_REWARD, get_reward
 
@@ -135,7 +136,7 @@ class RewardItem:
 
     prompt: str
     response: str
-    label: str | int | float
+    label: Label
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 

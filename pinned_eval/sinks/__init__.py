@@ -3,8 +3,9 @@
 - The **ledger** (`ledger.Ledger`, a JSONL file named by the sinks block's `jsonl_path`) is the
   record: written first, its failure fails the log task, and it is the only sink anything reads
   back. It is not an exporter, so no configuration can switch it off by accident.
-- An **exporter** is a best-effort mirror of the record (`Exporter`): W&B (`sinks.wandb`), the
-  samples file (`tasks.results`), the Prefect artifacts (`tasks.artifacts`). Each is registered
+- An **exporter** is a best-effort mirror of the record (`Exporter`), one module per tracker: W&B
+  (`sinks.wandb`), MLflow (`sinks.mlflow`), TensorBoard (`sinks.tensorboard`), the samples file
+  (`tasks.results`), the Prefect artifacts (`tasks.artifacts`). Each is registered
   once by name in `EXPORTERS` (`register_exporter`; a second registration of a name raises) with
   a factory that builds it from the sinks block's settings, or returns None when not configured,
   and an `order` (the samples file before W&B and the artifacts, which link or read it).
@@ -33,6 +34,8 @@ from pinned_eval.sinks.exporters import (
     with_sink_errors,
 )
 from pinned_eval.sinks.ledger import JsonlSink, Ledger, MetricRow
+from pinned_eval.sinks.mlflow import MlflowExporter, mlflow_key
+from pinned_eval.sinks.tensorboard import TensorboardExporter
 from pinned_eval.sinks.wandb import WandbWriter, log_to_wandb, shared_writer_settings, wandb_eval_run_id
 
 __all__ = [
@@ -44,15 +47,18 @@ __all__ = [
     "JsonlSink",
     "Ledger",
     "MetricRow",
+    "MlflowExporter",
     "PointRecord",
     "PointSamples",
     "SinkSettings",
+    "TensorboardExporter",
     "WandbWriter",
     "attempt_sink",
     "build_exporters",
     "close_all",
     "export_all",
     "log_to_wandb",
+    "mlflow_key",
     "register_exporter",
     "shared_writer_settings",
     "wandb_eval_run_id",

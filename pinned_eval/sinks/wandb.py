@@ -173,22 +173,28 @@ class WandbExporter(BaseExporter):
     def sample_tables(self, run: str, step: int) -> dict[str, tuple[list[str], list[list[Any]]]]:
         """`eval/samples/<ds>` from the point's samples file; none without a store, a count or the file."""
         from pinned_eval.results.store import SAMPLES  # pyarrow: slow import, only when a point is logged
-        from pinned_eval.results.tables import has_transcript
 
         n = self.config.samples_per_dataset
         if self.store is None or n == 0 or not self.store.exists(run, step, SAMPLES):
             return {}
-        tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
-        rows = sorted(
-            self.store.read(run, step, SAMPLES).to_pylist(), key=lambda r: (r["example_id"], r["sample_index"])
-        )
-        agentic = {r["dataset"] for r in rows if has_transcript(r)}
-        for r in rows:
-            columns = [*WANDB_SAMPLE_COLUMNS, *(WANDB_TRANSCRIPT_COLUMNS if r["dataset"] in agentic else ())]
-            _, data = tables.setdefault(f"eval/samples/{r['dataset']}", (columns, []))
-            if len(data) < n:
-                data.append([r.get(c) for c in columns])
-        return tables
+        tables = first_samples(self.store.read(run, step, SAMPLES).to_pylist(), n)
+        return {f"eval/samples/{ds}": table for ds, table in tables.items()}
+
+
+def first_samples(rows: list[dict[str, Any]], n: int) -> dict[str, tuple[list[str], list[list[Any]]]]:
+    """Per dataset, (columns, the first `n` samples by example id then sample index) of a point's
+    samples rows; a dataset whose samples carry transcripts adds `WANDB_TRANSCRIPT_COLUMNS`."""
+    from pinned_eval.results.tables import has_transcript
+
+    tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
+    ordered = sorted(rows, key=lambda r: (r["example_id"], r["sample_index"]))
+    agentic = {r["dataset"] for r in ordered if has_transcript(r)}
+    for r in ordered:
+        columns = [*WANDB_SAMPLE_COLUMNS, *(WANDB_TRANSCRIPT_COLUMNS if r["dataset"] in agentic else ())]
+        _, data = tables.setdefault(r["dataset"], (columns, []))
+        if len(data) < n:
+            data.append([r.get(c) for c in columns])
+    return tables
 
 
 def _build(settings: SinkSettings) -> WandbExporter | None:

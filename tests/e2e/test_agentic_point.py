@@ -11,6 +11,8 @@ sglang-router, a suite loaded from a miles-shaped YAML (`pinned-eval suite miles
   it stays running; a used-up `agent_max_requests` is `agent_budget`;
 - a reply of another weight version in the middle of a sample (the fleet relabelled between two
   turns) is `pin_violation`.
+The generate functions import from the suites' `python_path` (no PYTHONPATH names them): the
+worker's runner uses the roots the suite load checked.
 """
 
 from __future__ import annotations
@@ -80,15 +82,6 @@ def fleet(model: Path) -> Iterator[LaunchedFleet]:
         launched.stop()
 
 
-@pytest.fixture
-def fixtures_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runner (a subprocess of the worker) imports the fixture functions from its PYTHONPATH."""
-    import os
-
-    paths = [str(FIXTURES), str(EXAMPLE), os.environ.get("PYTHONPATH")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
-
-
 def _write(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -111,14 +104,14 @@ def _run(env: PointEnv, step: int, model: Path):  # type: ignore[no-untyped-def]
 def _runaway(tmp_path: Path, function: str, rows: list[dict], **limits: object) -> EvalSuite:
     _write(tmp_path / "loop.jsonl", rows)
     extra = "".join(f"      {k}: {v}\n" for k, v in limits.items())
-    text = (f"eval:\n  defaults: {{temperature: 0.0, max_response_len: 4}}\n  datasets:\n"
+    text = (f"eval:\n  defaults: {{temperature: 0.0, max_response_len: 4, python_path: [{FIXTURES}]}}\n  datasets:\n"
             f"    - name: loop\n      path: {tmp_path}/loop.jsonl\n      rm_type: math\n"
             f"      custom_generate_function_path: {function}\n{extra}")
     return EvalSuite.from_miles_yaml(text)
 
 
 def test_agentic_point_is_measured_at_the_pinned_version_with_the_tool_run_in_the_sandbox(
-    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path, fixtures_importable: None
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
 ) -> None:
     _write(tmp_path / "retool.jsonl", [{"prompt": "What is 6*7?", "label": "42"}])
     _write(tmp_path / "plain.jsonl", [{"prompt": "Name a prime.", "label": "7"}])
@@ -139,15 +132,15 @@ def test_agentic_point_is_measured_at_the_pinned_version_with_the_tool_run_in_th
     by = {s["dataset"]: s for s in samples}
     assert by["retool"]["response"].startswith(CALL)
     assert "Output:\n42" in by["retool"]["response"]  # print(6*7) ran in the sandbox
-    assert by["retool"]["response"].endswith("So the answer is \\boxed{42}.")
-    assert by["retool_custom"]["response"] == (f"{CALL}\n<tool_response>\nOutput:\n42\n</tool_response>\n"
-                                               "So the answer is \\boxed{42}.")
+    assert by["retool"]["response"].endswith("So the answer is \\boxed{42}.</s>")  # EOS text kept, as in miles
+    assert by["retool_custom"]["response"] == (f"{CALL}</s>\n<tool_response>\nOutput:\n42\n</tool_response>\n"
+                                               "So the answer is \\boxed{42}.</s>")
     assert {d: (s["weight_version"], s["reward"]) for d, s in by.items()} == {
         "retool": ("3", 1.0), "retool_custom": ("3", 1.0), "plain": ("3", 1.0)}
 
 
 def test_endless_turns_stop_at_the_suites_turn_limit(
-    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path, fixtures_importable: None
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
 ) -> None:
     suite = _runaway(tmp_path, "runaway.endless", [{"prompt": "loop forever", "label": "1"}], agent_max_turns=3)
     state = _run(_env(tmp_path, fleet, suite), 4, model)
@@ -157,7 +150,7 @@ def test_endless_turns_stop_at_the_suites_turn_limit(
 
 
 def test_point_budget_is_agent_budget(
-    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path, fixtures_importable: None
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
 ) -> None:
     suite = _runaway(tmp_path, "runaway.endless", [{"prompt": "loop forever", "label": "1"}], agent_max_requests=5)
     state = _run(_env(tmp_path, fleet, suite), 5, model)
@@ -166,7 +159,7 @@ def test_point_budget_is_agent_budget(
 
 
 def test_a_sleeping_function_is_cut_at_the_deadline_and_leaves_nothing_running(
-    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path, fixtures_importable: None
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
 ) -> None:
     pid_file = tmp_path / "pids"
     suite = _runaway(tmp_path, "runaway.sleeps", [{"prompt": "hold on", "label": "1", "pid_file": str(pid_file)}],
@@ -180,7 +173,7 @@ def test_a_sleeping_function_is_cut_at_the_deadline_and_leaves_nothing_running(
 
 
 def test_another_version_between_two_turns_is_pin_violation(
-    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path, fixtures_importable: None
+    prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
 ) -> None:
     gates = tmp_path / "gates"
     gates.mkdir()

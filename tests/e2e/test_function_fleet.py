@@ -36,9 +36,19 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e
 FIXTURES = str(Path(__file__).parent.parent / "fixtures" / "miles_style")
-# search-r1 fixture's result with real miles (31f1ca9) on the runner's path (`miles` importable, so
-# the surface is not installed), against this same scripted engine: docs/agentic.md
+# miles' own eval (`generate_and_rm`, evaluation=True, miles 31f1ca9) on these fixtures against this
+# same scripted engine and retriever stub: scripts/record_miles_generate_goldens.py, docs/agentic.md
 GOLDEN = Path(__file__).parent.parent / "data" / "miles_generate_golden.jsonl"
+
+
+def golden(fixture: str) -> list[dict]:
+    return [g for line in GOLDEN.read_text().splitlines() if (g := json.loads(line))["fixture"] == fixture]
+
+
+def as_golden(samples: list[Sample]) -> list[dict]:
+    """pinned-eval's samples in the golden's terms (response, status, reward, weight versions)."""
+    return [{"response": s.response, "status": s.status, "reward_value": s.reward,
+             "weight_versions": [s.weight_version] if s.weight_version else []} for s in samples]
 CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(2+2)"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "code_interpreter", "parameters": {"type": "object"}}}]
 RULES = [
@@ -135,31 +145,33 @@ async def _point(fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path, ds,
 async def test_search_r1_style_function_with_retriever_and_custom_reward(
     fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path, retriever: list[dict]
 ) -> None:
-    [golden] = [json.loads(line) for line in GOLDEN.read_text().splitlines()]  # recorded with miles' own code
-    ds = _ds("search", golden["fixture"], golden["reward"])
-    [s] = await _point(fleet, http, model, ds, [EvalSample(0, golden["prompt"], golden["label"])])
-    assert (s.response, s.status, s.reward) == (golden["response"], golden["status"], golden["reward_value"])
-    assert (s.finish_reason, s.weight_version) == ("stop", "5")
+    [g] = golden("search_r1_style.generate")
+    ds = _ds("search", g["fixture"], g["reward"], max_new_tokens=g["max_new_tokens"])
+    [s] = await _point(fleet, http, model, ds, [EvalSample(0, g["prompt"], g["label"])])
+    [want] = g["samples"]
+    assert (s.response, s.status, s.reward) == (want["response"], want["status"], want["reward_value"])
+    assert want["weight_versions"] == ["5", "5"] and (s.finish_reason, s.weight_version) == ("stop", "5")
     assert s.turns == 0  # no routing key sent: the calls are the point's, not a sample's
-    assert retriever == [{"queries": ["capital of France"], "topk": 2}]
+    assert retriever[-1] == {"queries": ["capital of France"], "topk": 2}
 
 
 async def test_multi_agent_list_of_samples_keeps_rewards_set_during_generation(
     fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path
 ) -> None:
-    ds = _ds("multi", "multi_agent_style.generate_with_multi_agents", "math")
-    solver, rewriter = await _point(fleet, http, model, ds, [EvalSample(0, "3+4?", "7")])
-    assert (solver.response, solver.metadata["agent"], solver.reward) == ("\\boxed{7}", "solver", 1.0)
-    assert (rewriter.response, rewriter.metadata["agent"], rewriter.reward) == ("rewritten 7", "rewriter", 0.0)
-    assert [(s.prompt_index, s.sample_index, s.status, s.weight_version) for s in (solver, rewriter)] == [
-        (0, 0, "completed", "5"), (0, 0, "completed", "5")]
+    [g] = golden("multi_agent_style.generate_with_multi_agents")
+    ds = _ds("multi", g["fixture"], g["reward"], max_new_tokens=g["max_new_tokens"])
+    samples = await _point(fleet, http, model, ds, [EvalSample(0, g["prompt"], g["label"])])
+    assert as_golden(samples) == g["samples"]  # miles' own: the solver rewarded in generation, the rewriter by math
+    solver, rewriter = samples
+    assert (solver.metadata["agent"], rewriter.metadata["agent"]) == ("solver", "rewriter")
+    assert [(s.prompt_index, s.sample_index, s.finish_reason) for s in samples] == [(0, 0, "stop"), (0, 0, "stop")]
 
 
 async def test_generate_hub_single_turn_new_form(fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path) -> None:
-    ds = _ds("hub", "miles.rollout.generate_hub.single_turn.generate", "exact_match")
-    [s] = await _point(fleet, http, model, ds, [EvalSample(0, "Capital of France?", "x")])
-    assert (s.response, s.status, s.weight_version, s.reward) == (
-        "<search>capital of France</search>", "completed", "5", 0.0)
+    [g] = golden("miles.rollout.generate_hub.single_turn.generate")
+    ds = _ds("hub", g["fixture"], g["reward"], max_new_tokens=g["max_new_tokens"])
+    [s] = await _point(fleet, http, model, ds, [EvalSample(0, g["prompt"], g["label"])])
+    assert as_golden([s]) == g["samples"]  # miles' own: the EOS text kept (skip_special_tokens False)
     assert s.turns == 1 and s.response_len > 0  # routing key = the gateway's sample key; token ids from logprobs
 
 
@@ -200,6 +212,6 @@ async def test_retool_style_multi_turn_with_tool_specs(
              generate_max_turns=3, generate_tool_specs_path="retool_style.tool_specs",
              generate_tool_call_parser="qwen25", generate_execute_tool_function_path="retool_style.execute_tool")
     [s] = await _point(fleet, http, model, ds, [EvalSample(0, "What is 2+2?", "The")])
-    assert s.response.startswith(CALL) and s.response.endswith("The answer is 4.")
+    assert s.response.startswith(CALL) and s.response.endswith("The answer is 4.</s>")  # EOS text kept, as miles
     assert "Output:\n4" in s.response
     assert (s.status, s.weight_version, s.turns, s.reward) == ("completed", "5", 2, 0.0)

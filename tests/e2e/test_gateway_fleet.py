@@ -5,7 +5,9 @@ a tool call, then an answer once the tool's result is in the prompt). User code 
 gateway's URL and token: it runs a two-turn tool-calling chat in its own session, is refused by the
 router itself with the gateway token, and the neighbour (a second uid) gets 401 from the gateway.
 A gateway whose point pinned another version makes the point `pin_violation`; a used-up budget
-makes it `agent_budget`; a sample over its turn limit gets 429 naming the limit.
+makes it `agent_budget`; a sample over its turn limit gets 429 naming the limit. In adapter mode
+(an adapter loaded on the engine under the version's name) the `/v1` routes through the gateway
+answer exactly what the engine answers with that adapter named, not what the base weights answer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,11 +41,16 @@ RULES = [{"prompt_contains": "<tool_response>", "completion": "The answer is 4."
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedFleet]:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny_model import make_tiny_model
 
+    return make_tiny_model(tmp_path_factory.mktemp("gateway-model") / "m", arch="llama", seed=0,
+                           chat_template="chatml")
+
+
+@pytest.fixture(scope="module")
+def fleet(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedFleet]:
     base = tmp_path_factory.mktemp("gateway")
-    model = make_tiny_model(base / "m", arch="llama", seed=0, chat_template="chatml")
     rules = base / "rules.json"
     rules.write_text(json.dumps(RULES))
     keys = FleetKeys.resolve()
@@ -64,10 +72,13 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def gateway(fleet: LaunchedFleet, http: httpx.AsyncClient, version: str = "5", **limits: Any) -> PointGateway:
+def gateway(
+    fleet: LaunchedFleet, http: httpx.AsyncClient, version: str = "5", lora: str | None = None, **limits: Any
+) -> PointGateway:
     assert fleet.router_url is not None and fleet.keys is not None
     gen = RouterGenerator(http, fleet.router_url, api_key=fleet.keys.api)
-    return PointGateway(PointSession(gen, expected_version=version, rid_prefix="p5"), GatewayLimits(**limits))
+    session = PointSession(gen, expected_version=version, rid_prefix="p5", lora=lora)
+    return PointGateway(session, GatewayLimits(**limits))
 
 
 async def test_agent_turns_through_the_gateway(fleet: LaunchedFleet, http: httpx.AsyncClient) -> None:
@@ -136,3 +147,46 @@ async def test_the_neighbour_gets_401(fleet: LaunchedFleet, http: httpx.AsyncCli
         out = await asyncio.to_thread(run_as, neighbour, code, gw.base_url)
         assert out.stdout.split() == ["401", "401"], out.stderr
         assert [(c.route, c.status) for c in gw.calls] == [("/v1/models", 401), ("/generate", 401)]
+
+
+async def test_v1_calls_in_adapter_mode_run_on_the_pinned_adapter(
+    fleet: LaunchedFleet, model: Path, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    from engine.tiny_model import make_tiny_adapter
+
+    assert fleet.router_url is not None and fleet.keys is not None
+    engine, admin = fleet.engine_urls[0], {"Authorization": f"Bearer {fleet.keys.admin}"}
+    adapter = make_tiny_adapter(model, tmp_path / "adapter", seed=3, scale=2.0)
+    loaded = await http.post(f"{engine}/load_lora_adapter", json={"lora_name": "5", "lora_path": str(adapter)},
+                             headers=admin)
+    assert loaded.status_code == 200, loaded.text
+    fleet_key = {"Authorization": f"Bearer {fleet.keys.api}"}
+    calls = {"/v1/completions": {"model": "m", "prompt": "7 8 9", "max_tokens": 6, "temperature": 0},
+             "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hello there"}],
+                                      "max_tokens": 6, "temperature": 0}}
+
+    def text(reply: httpx.Response) -> str:
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        return str(choice["text"] if "text" in choice else choice["message"]["content"])
+
+    try:
+        async with gateway(fleet, http, lora="5") as gw:
+            user = {"Authorization": f"Bearer {gw.token}"}
+            base_url = gw.open_sample("lora-0-0")
+            for route, body in calls.items():
+                on_base = text(await http.post(f"{fleet.router_url}{route}", headers=fleet_key, json=body))
+                on_adapter = text(await http.post(f"{fleet.router_url}{route}", headers=fleet_key,
+                                                  json={**body, "lora_path": "5"}))
+                assert on_adapter != on_base  # the adapter changes the greedy answer
+                assert text(await http.post(f"{base_url}{route}", headers=user, json=body)) == on_adapter
+                assert text(await http.post(f"{gw.base_url}{route}", headers=user,
+                                            json={**body, "model": "m:5"})) == on_adapter
+                other = await http.post(f"{base_url}{route}", headers=user, json={**body, "lora_path": "4"})
+                assert other.status_code == 400 and "lora_path: '4' is not this point's adapter '5'" in other.text
+            assert [(t["route"], t["weight_version"]) for t in gw.transcript("lora-0-0")] == [
+                ("/sessions/{id}/v1/completions", "5"), ("/sessions/{id}/v1/chat/completions", "5")]
+            assert gw.violation is None and gw.session.counters.requests == 4
+    finally:
+        unloaded = await http.post(f"{engine}/unload_lora_adapter", json={"lora_name": "5"}, headers=admin)
+        assert unloaded.status_code == 200, unloaded.text

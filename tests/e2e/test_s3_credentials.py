@@ -2,7 +2,9 @@
 `step_N` checkpoints, and an `EvalClient` exporting into an `s3://` staging root, both end in
 measured points on the CPU fleet (moto's S3 server, the deployed worker).
 
-Neither this process nor the worker (and its flow-run processes) has AWS variables or config
+Both run twice: the staging block's own S3 fields, and a staging block naming a prefect-aws
+`S3Bucket` block (with its `AwsCredentials`) saved to the session's server. Neither this process
+nor the worker (and its flow-run processes) has AWS variables or config
 files that could supply credentials or an endpoint: the negative control shows botocore finds
 none, so every S3 call that succeeds used the block's endpoint and keys.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -24,17 +27,20 @@ from pinned_eval.snapshot.layout import resolve
 from pinned_eval.snapshot.writer import write_snapshot
 from tests.deploykit import Deployed, runs_of_deployment, wait_for, without_aws_credentials
 from tests.pointkit import PointEnv, write_step_snapshot
-from tests.s3_fixtures import KEY, SECRET, S3Server, s3_server  # noqa: F401 - fixture
+from tests.s3_fixtures import KEY, SECRET, S3Server, s3_server, save_prefect_aws_bucket  # noqa: F401 - fixture
 from trainer_integration.client import EvalClient
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
+@pytest.fixture(params=["block-fields", "prefect-aws"])
 def block_only_s3(
-    point_env: PointEnv, deployed: Deployed, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path  # noqa: F811
+    request: pytest.FixtureRequest, point_env: PointEnv, deployed: Deployed, s3_server: S3Server,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> tuple[PointEnv, str]:
-    """`point_env` with its staging block on a fresh bucket (keys in the block only); returns the bucket URL."""
+    """`point_env` with its staging block on a fresh bucket (keys in the block only); returns the bucket URL.
+    `block-fields`: the staging block's own S3 fields; `prefect-aws`: the staging block names a
+    prefect-aws S3Bucket block (bucket, folder `stage`, AwsCredentials with the keys and endpoint)."""
     clean = without_aws_credentials(dict(os.environ), tmp_path)
     for name in [k for k in os.environ if k not in clean]:
         monkeypatch.delenv(name)
@@ -44,13 +50,15 @@ def block_only_s3(
     worker_env = psutil.Process(deployed.worker_pid).environ()
     assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"} & set(worker_env)
     assert not Path(worker_env["AWS_SHARED_CREDENTIALS_FILE"]).exists()
-    bucket = f"s3://{s3_server.make_bucket('blk')}"
+    name = s3_server.make_bucket('blk')
+    bucket = f"s3://{name}"
+    where: dict[str, Any] = {"root": f"{bucket}/stage", "endpoint_url": s3_server.endpoint_url,
+                             "aws_access_key_id": KEY, "aws_secret_access_key": SECRET}
+    if request.param == "prefect-aws":
+        where = {"s3_bucket_block": save_prefect_aws_bucket(s3_server, name, "stage")}
     StagingBlock(
-        root=f"{bucket}/stage",
+        **where,
         source_roots=[f"{bucket}/trainer"],  # where the trainer saves its checkpoints (the watched prefix)
-        endpoint_url=s3_server.endpoint_url,
-        aws_access_key_id=KEY,
-        aws_secret_access_key=SECRET,
         keep_snapshots=0,
         cache_dir=str(tmp_path / "cache"),
     ).save(point_env.blocks["staging"], overwrite=True)

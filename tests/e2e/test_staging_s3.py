@@ -1,8 +1,10 @@
 """Staging behaves the same on a local root and on S3 (moto's server on 127.0.0.1, real S3 protocol).
 
-Every test runs twice, `local` and `s3`, through the same code: write, check, put, list,
-materialize, retire / keep-ring, confined delete. Files are corrupted through fsspec too, so the
-corruption code is also shared.
+Every test runs three times, `local`, `s3` and `s3-prefect-aws`, through the same code: write,
+check, put, list, materialize, retire / keep-ring, confined delete. Files are corrupted through
+fsspec too, so the corruption code is also shared. `s3-prefect-aws` is a staging block saved to
+the session's Prefect server naming a prefect-aws `S3Bucket` block (with its `AwsCredentials`),
+loaded by name: its `Staging` and options are the ones the block resolves.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from blocks import StagingBlock
 from pinned_eval.snapshot.check import SnapshotProblem, check_snapshot
 from pinned_eval.snapshot.layout import MARKER, join, resolve
 from pinned_eval.snapshot.staging import SnapshotIncompleteError, Staging, StagingPathError
 from pinned_eval.snapshot.state_dict import export_state_dict
 from pinned_eval.snapshot.writer import TensorSpec, write_snapshot
-from tests.s3_fixtures import S3Server, s3_server  # noqa: F401 - fixture
+from tests.s3_fixtures import S3Server, s3_server, save_prefect_aws_bucket  # noqa: F401 - fixture
 from tests.snapshot_fixtures import logits, named_tensors, perturbed_state_dict, tiny_hf_base
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +59,7 @@ class Env:
         return {e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False)}
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "s3-prefect-aws"])
 def env(request: pytest.FixtureRequest, tmp_path: Path) -> Env:
     cache = tmp_path / "cache"
     if request.param == "local":
@@ -64,6 +67,13 @@ def env(request: pytest.FixtureRequest, tmp_path: Path) -> Env:
     server: S3Server = request.getfixturevalue("s3_server")
     bucket = server.make_bucket()
     opts = server.storage_options
+    if request.param == "s3-prefect-aws":
+        request.getfixturevalue("prefect_server")
+        name = save_prefect_aws_bucket(server, bucket, "stage")
+        StagingBlock(s3_bucket_block=name, keep_snapshots=2, cache_dir=str(cache)).save(name)
+        block = StagingBlock.load(name)
+        assert block.root_url() == f"s3://{bucket}/stage" and block.storage_options() == opts
+        return Env("s3", block.staging(), block.storage_options(), tmp_path)
     staging = Staging(f"s3://{bucket}/stage", storage_options=opts, keep_snapshots=2, cache_dir=cache)
     return Env("s3", staging, opts, tmp_path)
 

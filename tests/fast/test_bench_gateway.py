@@ -11,7 +11,20 @@ def test_registered_with_python_m_bench() -> None:
 
 
 def test_overhead_is_per_pair_and_relative_to_the_direct_p50() -> None:
-    times = {"chat direct": [0.010, 0.020, 0.030], "chat via gateway": [0.011, 0.022, 0.033]}
-    cpu = {"chat direct": [0.001] * 3, "chat via gateway": [0.002] * 3}
-    row = table(times, cpu)[2]
-    assert row == "| chat | 20.00 | 22.00 | 2.00 | 3.00 | 10.0 | 1.00 | 2.00 |"
+    times = {"chat direct": [0.010, 0.020, 0.030], "chat via gateway": [0.011, 0.022, 0.033],
+             "chat via gateway (Nagle)": [0.050, 0.060, 0.090]}
+    cpu = {"chat direct": [0.001] * 3, "chat via gateway": [0.002] * 3, "chat via gateway (Nagle)": [0.004] * 3}
+    rows = table(times, cpu)[2:]
+    assert rows == ["| chat | now | 20.00 | 22.00 | 2.00 | 3.00 | 3.00 | 10.0 | 1.00 | 2.00 |",
+                    "| chat | before (Nagle on) | 20.00 | 60.00 | 40.00 | 60.00 | 60.00 | 200.0 | 1.00 | 4.00 |"]
+
+
+def test_the_before_variant_is_the_gateway_with_nagle_on() -> None:
+    import socket
+
+    from bench.gateway import NagleGateway
+    from pinned_eval.gateway import PointGateway
+
+    with NagleGateway._listener() as old, PointGateway._listener() as new:
+        assert (old.proto, new.proto) == (0, socket.IPPROTO_TCP)
+        assert old.getsockname()[0] == new.getsockname()[0] == "127.0.0.1"

@@ -1,6 +1,6 @@
 """examples/agentic loads as its README says: `pinned-eval suite miles examples/agentic/eval.yaml`
-(its directory importable), both datasets agentic, the gateway limits from the YAML. (It runs
-in a real flow run in tests/e2e/test_agentic_point.py.)"""
+(no PYTHONPATH: the YAML's directory is the import root), both datasets agentic, the gateway
+limits from the YAML. (It runs in a real flow run in tests/e2e/test_agentic_point.py.)"""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from pinned_eval.suite import EvalSuite
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "agentic"
 
 
-def test_example_suite_loads_through_suite_miles(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")])))
+def test_example_suite_loads_through_suite_miles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert str(EXAMPLE) not in os.environ.get("PYTHONPATH", "")  # its directory is the import root
+    monkeypatch.chdir(tmp_path)
     data = str(EXAMPLE / "data")
     shown = CliRunner().invoke(app, ["suite", "miles", str(EXAMPLE / "eval.yaml"), "--set", f"DATA_DIR={data}"])
     assert shown.exit_code == 0, shown.output

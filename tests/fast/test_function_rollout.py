@@ -6,6 +6,7 @@ no model call, so the point's session points at a closed port."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from pinned_eval.suite import DatasetSpec, EvalSuite
 from tests.conftest import free_port
 
 FIXTURES = str(Path(__file__).parent.parent / "fixtures" / "miles_style")
+GOLDEN = Path(__file__).parent.parent / "data" / "miles_generate_golden.jsonl"
 
 
 def _ds(function: str):  # type: ignore[no-untyped-def]
@@ -64,6 +66,17 @@ def _children_before() -> None:
 def _runner_pids() -> set[int]:
     """Processes the test started that still run: the runner and anything it spawned."""
     return _live_children() - _BEFORE
+
+
+async def test_old_form_function_matches_miles_own_eval() -> None:
+    """The old-signature fixture against the golden recorded with miles' own `generate_and_rm`
+    (scripts/record_miles_generate_goldens.py): response, status, reward, sample for sample."""
+    lines = [json.loads(x) for x in GOLDEN.read_text().splitlines()]
+    goldens = [g for g in lines if g["fixture"] == "echo_old.generate"]
+    assert [(g["prompt"], g["label"]) for g in goldens] == [("p0", "1"), ("p1", "2")]
+    got = await _run("echo_old.generate", FunctionRollout(python_path=[FIXTURES]))
+    assert [[{"response": s.response, "status": s.status, "reward_value": s.reward, "weight_versions": []}
+             for s in samples] for samples in got] == [g["samples"] for g in goldens]
 
 
 async def test_old_form_function_runs_with_miles_args_and_dataset_reward() -> None:

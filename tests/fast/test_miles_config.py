@@ -51,8 +51,8 @@ def test_remote_rm_without_a_scoring_service_is_refused() -> None:
         EvalSuite.from_miles_yaml(CONFIGS / "chat_eval.yaml")
 
 
-def test_delegate_section_is_refused_naming_its_key() -> None:
-    with pytest.raises(ValueError, match=r"^eval\.delegate: not supported .*external posture"):
+def test_delegate_datasets_named_bare_are_refused_as_miles_refuses_them() -> None:
+    with pytest.raises(ValueError, match=r"^eval\.delegate\[0\]\.datasets\[0\]: must be a mapping with a name"):
         EvalSuite.from_miles_yaml(CONFIGS / "with_delegate.yaml")
 
 
@@ -86,8 +86,8 @@ def test_unsupported_dataset_keys_are_refused_by_path(edit: dict, message: str) 
     ("cfg", "message"),
     [
         ({"eval": {"datasets": {"a": {"path": "/a"}}}, "rollout": {"batch": 1}}, r"^rollout: not supported next"),
-        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": {"url": "http://x"}}}, r"^eval\.delegate: not"),
-        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": ["skills"]}}, r"^eval\.delegate: not"),
+        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": {"url": "http://x"}}}, r"^eval\.delegate: must be"),
+        ({"eval": {"datasets": {"a": {"path": "/a"}}, "delegate": ["skills"]}}, r"^eval\.delegate\[0\]: must be"),
         ({"eval": {"datasets": {"a": {"path": "/a", "temprature": 0.3}}}}, r"^eval\.datasets\.a\.temprature: not"),
         ({"eval": {"defaults": {"rm_type": "math", "tool_key": 3}, "datasets": {"a": {"path": "/a"}}}},
          r"^eval\.defaults\.tool_key: Input should be a valid string"),

@@ -72,3 +72,51 @@ def test_integers_pass_in_a_quantized_model_or_without_a_float_config(base: Path
     cfg.pop("torch_dtype"), cfg.pop("dtype", None)
     (no_dtype / "config.json").write_text(json.dumps(cfg))
     assert check_snapshot(str(no_dtype), require_marker=False).complete
+
+
+def _with_config(snap: Path, cfg: dict[str, object], pad_to: int | None = None) -> Path:
+    """Replace the snapshot's config with `cfg`, padded with trailing spaces to `pad_to` bytes."""
+    text = json.dumps(cfg)
+    (snap / "config.json").write_text(text if pad_to is None else text.ljust(pad_to))
+    return snap
+
+
+def _int_norm(base: Path, dest: Path) -> tuple[Path, dict[str, object]]:
+    snap = _variant(base, dest, NORM, torch.int32)
+    cfg = json.loads((snap / "config.json").read_text())
+    cfg.pop("torch_dtype", None), cfg.pop("dtype", None)
+    return snap, cfg
+
+
+def test_the_dtype_key_alone_with_a_torch_prefix_is_checked_and_named(base: Path, tmp_path: Path) -> None:
+    snap, cfg = _int_norm(base, tmp_path / "d")
+    result = check_snapshot(str(_with_config(snap, {**cfg, "dtype": "torch.float16"})), require_marker=False)
+    assert (result.problem, result.detail) == (
+        SnapshotProblem.DTYPE_MISMATCH,
+        f"model.safetensors: tensor {NORM!r} is I32, but config.json dtype is torch.float16: "
+        "a floating-point model holds floating-point tensors only")
+
+
+def test_an_explicit_null_quantization_config_is_not_a_quantized_model(base: Path, tmp_path: Path) -> None:
+    snap, cfg = _int_norm(base, tmp_path / "n")
+    config = {**cfg, "torch_dtype": "float32", "quantization_config": None}
+    result = check_snapshot(str(_with_config(snap, config)), require_marker=False)
+    assert result.problem is SnapshotProblem.DTYPE_MISMATCH
+
+
+def test_a_non_float_dtype_value_or_a_non_object_config_is_nothing_to_check_against(
+    base: Path, tmp_path: Path
+) -> None:
+    snap, cfg = _int_norm(base, tmp_path / "i")
+    assert check_snapshot(str(_with_config(snap, {**cfg, "torch_dtype": "int8"})), require_marker=False).complete
+    snap2, _ = _int_norm(base, tmp_path / "l")
+    assert check_snapshot(str(_with_config(snap2, [cfg])), require_marker=False).complete  # type: ignore[arg-type]
+
+
+def test_a_config_of_exactly_the_size_limit_is_still_read(base: Path, tmp_path: Path) -> None:
+    from pinned_eval.snapshot.check import MAX_CONFIG
+
+    snap, cfg = _int_norm(base, tmp_path / "big")
+    _with_config(snap, {**cfg, "torch_dtype": "float32"}, pad_to=MAX_CONFIG)
+    assert (snap / "config.json").stat().st_size == MAX_CONFIG
+    assert check_snapshot(str(snap), require_marker=False).problem is SnapshotProblem.DTYPE_MISMATCH

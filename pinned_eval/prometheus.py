@@ -1,0 +1,267 @@
+"""Prometheus metrics of the points a worker runs, exact across its flow-run processes (no Prefect import).
+
+Each point runs in a flow-run process of its own, so counters kept in memory die with it. Instead,
+a flow run records what happened as small files in the worker's metrics directory
+(`PINNED_EVAL_METRICS_DIR`, set by `pinned-eval worker --metrics-port`), and the worker's endpoint
+folds them into metrics at each scrape (`PointMetricsCollector`):
+
+- `events/<ns>-<pid>-<n>.json`: one per point outcome (run, outcome, reason, seconds) or pin
+  (fleet, seconds), written to a `.tmp-` name then renamed, so a scrape never reads half a file;
+  never rewritten, so counts are exact and survive a worker restart (the directory stays);
+- `inflight/<pid>-<n>.json`: one per point running now (its run), removed when it ends; the
+  file of a process that died without removing it (SIGKILL) is dropped at the next scrape.
+
+The directory is a 0700 directory of this user, the whole path trusted
+(`pinned_eval.trusted_paths`): a neighbour can neither plant nor read an event; anything else is
+refused (nothing recorded, one warning). Recording never raises into a point: an error is one
+warning and the point goes on. prometheus_client is needed by the endpoint only (the
+`prometheus` extra), never by a flow run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pinned_eval.processes import pid_alive
+from pinned_eval.trusted_paths import UntrustedPathError, make_private_dirs
+
+log = logging.getLogger(__name__)
+METRICS_DIR_ENV = "PINNED_EVAL_METRICS_DIR"
+EVENTS, INFLIGHT = "events", "inflight"
+Outcome = Literal["measured", "skipped", "failed"]
+# Buckets (seconds): a point takes minutes to an hour; a pin seconds to minutes.
+POINT_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, math.inf)
+PIN_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, math.inf)
+_NAME = re.compile(r"^(\d+)-(\d+)\.json$")  # inflight/<pid>-<n>.json
+_seq = itertools.count()
+
+
+class PointEvent(BaseModel):
+    """One recorded fact: a point's outcome (`run`, `outcome`, `reason`) or a pin (`fleet`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["point", "pin"]
+    run: str = ""
+    outcome: Outcome | None = None
+    reason: str = ""
+    fleet: str = ""
+    seconds: float | None = None
+
+
+def private_metrics_dir(path: str | Path) -> Path:
+    """Create (0700) or check the metrics directory and its two subdirectories; raise
+    `UntrustedPathError` naming the path unless every one is this user's alone (mode 0700)."""
+    root = Path(path)
+    for d in (root, root / EVENTS, root / INFLIGHT):
+        make_private_dirs(str(d), "metrics directory")
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
+            raise UntrustedPathError(f"metrics directory {str(d)!r} refused: mode {stat.S_IMODE(st.st_mode):o}, "
+                                     "not 0700")
+    return root
+
+
+def _recording_dir() -> Path | None:
+    """The checked metrics directory of this process's worker; None when metrics are off."""
+    path = os.environ.get(METRICS_DIR_ENV)
+    return private_metrics_dir(path) if path else None
+
+
+def _write_private(path: Path, payload: str) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, payload.encode())
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def _record(what: str, action: Any) -> None:
+    try:
+        root = _recording_dir()
+        if root is not None:
+            action(root)
+    except (OSError, ValueError) as exc:  # UntrustedPathError is a ValueError: a metric is never worth a point
+        log.warning("prometheus metrics: %s not recorded: %s", what, exc)
+
+
+def _event(event: PointEvent) -> None:
+    def write(root: Path) -> None:
+        _write_private(root / EVENTS / f"{time.time_ns():020d}-{os.getpid()}-{next(_seq)}.json",
+                       event.model_dump_json(exclude_none=True))
+
+    _record(f"{event.kind} event", write)
+
+
+class InFlight:
+    """A point in flight from `start()` to `end()` (the `pinned_eval_points_in_flight` gauge)."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._path: Path | None = None
+
+    def start(self) -> InFlight:
+        def write(root: Path) -> None:
+            path = root / INFLIGHT / f"{os.getpid()}-{next(_seq)}.json"
+            _write_private(path, json.dumps({"run": self.run}))
+            self._path = path
+
+        _record("point in flight", write)
+        return self
+
+    def end(self) -> None:
+        if self._path is not None:
+            try:
+                self._path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("prometheus metrics: point in flight not cleared: %s", exc)
+            self._path = None
+
+
+def point_ended(run: str, outcome: Outcome, reason: str = "", seconds: float | None = None) -> None:
+    """Record one point of `run` ended `outcome` (`reason`: its skip reason; "" when measured)."""
+    _event(PointEvent(kind="point", run=run, outcome=outcome, reason=reason, seconds=seconds))
+
+
+def pin_timed(fleet: str, seconds: float) -> None:
+    """Record one successful pin of `fleet` that took `seconds`."""
+    _event(PointEvent(kind="pin", fleet=fleet, seconds=seconds))
+
+
+@dataclass
+class _Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+        self.counts[next(i for i, b in enumerate(self.buckets) if value <= b)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        return [(_le(b), float(c)) for b, c in zip(self.buckets, itertools.accumulate(self.counts), strict=True)]
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == math.inf else repr(bound)
+
+
+@dataclass
+class _Totals:
+    points: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    durations: dict[tuple[str, str], _Histogram] = field(default_factory=dict)
+    pins: dict[str, _Histogram] = field(default_factory=dict)
+    unreadable: int = 0
+
+    def add(self, e: PointEvent) -> None:
+        if e.kind == "pin":
+            if e.seconds is not None:
+                self.pins.setdefault(e.fleet, _Histogram(PIN_BUCKETS)).observe(e.seconds)
+            return
+        outcome = e.outcome or "failed"
+        key = (e.run, outcome, e.reason)
+        self.points[key] = self.points.get(key, 0) + 1
+        if e.seconds is not None:
+            self.durations.setdefault((e.run, outcome), _Histogram(POINT_BUCKETS)).observe(e.seconds)
+
+
+class PointMetricsCollector:
+    """The worker's metrics, read from `root` at each scrape; events already read are kept in
+    memory, so a scrape reads only the new ones."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = private_metrics_dir(root)
+        self._seen: set[str] = set()
+        self._totals = _Totals()
+        self._lock = threading.Lock()
+
+    def _read_new(self) -> None:
+        for name in sorted(os.listdir(self.root / EVENTS)):
+            if name.startswith(".") or name in self._seen:
+                continue
+            self._seen.add(name)
+            try:
+                fd = os.open(self.root / EVENTS / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                with os.fdopen(fd, "rb") as f:
+                    self._totals.add(PointEvent.model_validate_json(f.read(65536)))
+            except (OSError, ValidationError) as exc:
+                self._totals.unreadable += 1
+                log.warning("prometheus metrics: event %s unreadable: %s", name, exc)
+
+    def in_flight(self) -> dict[str, int]:
+        """Points running now, per run; files of dead processes are removed."""
+        runs: dict[str, int] = {}
+        for name in os.listdir(self.root / INFLIGHT):
+            m = _NAME.match(name)
+            if m is None:
+                continue
+            path = self.root / INFLIGHT / name
+            if not pid_alive(int(m.group(1))):
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                run = json.loads(path.read_bytes()[:65536])["run"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # ended meanwhile, or not ours to read
+            runs[str(run)] = runs.get(str(run), 0) + 1
+        return runs
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        private_metrics_dir(self.root)  # still this user's alone, 0700
+        with self._lock:
+            self._read_new()
+            totals = self._totals
+            points = CounterMetricFamily("pinned_eval_points", "Points that ended, by run, outcome and skip reason.",
+                                         labels=["run", "outcome", "reason"])
+            for (run, outcome, reason), n in sorted(totals.points.items()):
+                points.add_metric([run, outcome, reason], n)
+            dur = HistogramMetricFamily("pinned_eval_point_duration_seconds",
+                                        "Wall time of a point from its flow's start to its outcome.",
+                                        labels=["run", "outcome"])
+            for (run, outcome), h in sorted(totals.durations.items()):
+                dur.add_metric([run, outcome], h.cumulative(), h.total)
+            pin = HistogramMetricFamily("pinned_eval_pin_duration_seconds",
+                                        "Time to pin a fleet to a weight version (successful pins).", labels=["fleet"])
+            for fleet, h in sorted(totals.pins.items()):
+                pin.add_metric([fleet], h.cumulative(), h.total)
+            bad = CounterMetricFamily("pinned_eval_metrics_unreadable_events",
+                                      "Event files of the metrics directory that could not be read.")
+            bad.add_metric([], totals.unreadable)
+            yield from (points, dur, pin, bad)
+        flight = GaugeMetricFamily("pinned_eval_points_in_flight", "Points running now, by run.", labels=["run"])
+        for run, n in sorted(self.in_flight().items()):
+            flight.add_metric([run], n)
+        yield flight
+
+
+def serve_metrics(root: str | Path, port: int, host: str = "127.0.0.1") -> tuple[Any, str]:
+    """Serve the worker's metrics at `http://host:port/metrics` (port 0: any free one) from a
+    daemon thread; returns the server (`shutdown()` stops it) and the URL."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PointMetricsCollector(root))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return server, f"http://{shown}:{bound_port}/metrics"

@@ -1,0 +1,192 @@
+"""Record golden outputs of miles generate functions with miles' own code (not needed by tests).
+
+Runs miles' `generate_and_rm` (`miles.rollout.inference_rollout.inference_rollout_common`, with
+`evaluation=True`, as miles' eval does) on fixtures in tests/fixtures/miles_style/ against the
+same scripted CPU engine the e2e tests use (tests/e2e/test_function_fleet.py: its RULES, the tiny
+llama model, behind the real sglang-router; its retriever stub), and prints one JSON line per fixture: what
+`tests/data/miles_generate_golden.jsonl` holds.
+
+    python scripts/record_miles_generate_goldens.py --miles /path/to/miles-checkout >> tests/data/...
+
+miles' import chain pulls in `ray` and `sglang` modules that these fixtures' code paths never
+call; without them installed, they are served as stubs that raise when called, and the script
+refuses to print anything if one was. `pybase64` (miles' endpoint utils) must be importable.
+The agent-function fixture needs miles' session server (sglang's OpenAI protocol and TITO), so
+it is not recorded here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "miles_style"
+CALLED: list[str] = []
+# fixture, reward (pinned-eval's name), rows (prompt, label), max_new_tokens
+CASES: list[tuple[str, str, list[tuple[str, Any]], int]] = [
+    ("search_r1_style.generate", "custom:search_r1_style.reward_func", [("Capital of France?", "Paris")], 48),
+    ("multi_agent_style.generate_with_multi_agents", "math", [("3+4?", "7")], 48),
+    ("echo_old.generate", "math", [("p0", "1"), ("p1", "2")], 1024),
+    ("miles.rollout.generate_hub.single_turn.generate", "math", [("Capital of France?", "x")], 48),
+]
+
+
+class _Stub(types.ModuleType):
+    """A module nothing on the recorded path may use: any call raises (and is remembered)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub(f"{self.__name__}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and callable(args[0]) and not kwargs:  # a decorator at import time
+            return args[0]
+        CALLED.append(self.__name__)
+        raise RuntimeError(f"stubbed {self.__name__} was called")
+
+    def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
+        return (object,)
+
+
+class _StubFinder:
+    def __init__(self, roots: set[str]) -> None:
+        self.roots = roots
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return _Stub(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__path__ = []  # type: ignore[attr-defined]
+
+
+def _retriever() -> Any:
+    """The e2e tests' retriever stub (tests/e2e/test_function_fleet.py) on 127.0.0.1."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            docs = [{"document": {"contents": "Paris is the capital of France."}}]
+            out = json.dumps({"result": [docs[: body["topk"]]]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a: object) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _args(model: Path, router: str, reward: str, max_new_tokens: int) -> argparse.Namespace:
+    from pinned_eval.agentic.runner import DEFAULT_ARGS
+
+    host, port = router.removeprefix("http://").rsplit(":", 1)
+    custom = reward.removeprefix("custom:").replace(":", ".") if reward.startswith("custom:") else None
+    return argparse.Namespace(**{
+        **DEFAULT_ARGS, "sglang_router_ip": host, "sglang_router_port": int(port), "hf_checkpoint": str(model),
+        "rm_type": None if custom else reward, "custom_rm_path": custom, "custom_generate_function_path": None,
+        "rollout_temperature": 0.0, "rollout_max_response_len": max_new_tokens, "rollout_num_gpus": 1,
+    })
+
+
+async def _record(model: Path, router: str, api_key: str, miles_commit: str) -> list[dict[str, Any]]:
+    from miles.rollout.inference_rollout.inference_rollout_common import (
+        GenerateState,
+        compute_sampling_params,
+        generate_and_rm,
+    )
+    from miles.utils import http_utils
+    from miles.utils.types import Sample
+
+    out = []
+    for fixture, reward, rows, max_new_tokens in CASES:
+        args = _args(model, router, reward, max_new_tokens)
+        http_utils._http_client = None
+        http_utils.init_http_client(args)
+        assert http_utils._http_client is not None
+        http_utils._http_client.headers["Authorization"] = f"Bearer {api_key}"  # the fleet's key, as the gateway adds
+        state = GenerateState(args)
+        params = compute_sampling_params(args, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens)
+        for index, (prompt, label) in enumerate(rows):
+            sample = Sample(index=index, prompt=prompt, label=label, metadata={"rm_type": args.rm_type},
+                            generate_function_path=fixture)
+            got = await generate_and_rm(state, sample, sampling_params=params, evaluation=True)
+            samples = got if isinstance(got, list) else [got]
+            out.append({
+                "fixture": fixture, "reward": reward, "miles_commit": miles_commit, "prompt": prompt, "label": label,
+                "max_new_tokens": max_new_tokens,
+                "samples": [{"response": s.response, "status": s.status.value, "reward_value": s.reward,
+                             "weight_versions": list(s.weight_versions)} for s in samples],
+            })
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--miles", required=True, help="a miles checkout (its root holds the `miles` package)")
+    parser.add_argument("--commit", help="the checkout's commit (default: git rev-parse HEAD there)")
+    ns = parser.parse_args()
+    miles = str(Path(ns.miles).resolve())
+    commit = ns.commit or subprocess.run(["git", "-C", miles, "rev-parse", "HEAD"], capture_output=True,
+                                         text=True, check=True).stdout.strip()
+    sys.meta_path.insert(0, _StubFinder({r for r in ("ray", "sglang") if importlib.util.find_spec(r) is None}))
+    sys.path[:0] = [miles, str(FIXTURES)]
+
+    sys.path.insert(0, str(REPO))
+    from engine.tiny_model import make_tiny_model
+    from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
+    from pinned_eval.fleet.keys import FleetKeys
+    from pinned_eval.fleet.launcher import launch_fleet
+    from tests.conftest import free_port
+    from tests.e2e.test_function_fleet import RULES
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "m", arch="llama", seed=0, chat_template="chatml")
+        rules = Path(tmp) / "rules.json"
+        rules.write_text(json.dumps(RULES))
+        keys = FleetKeys.resolve()
+        spec = engine_spec(
+            CpuEngineArgs(model_path=str(model), port=free_port(), weight_version="5", api_key=keys.api,
+                          admin_api_key=keys.admin, scripted_completions=str(rules), tool_call_parser="qwen25"),
+            env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+        fleet = launch_fleet([spec], log_dir=Path(tmp) / "logs", keys=keys, ready_timeout_s=120)
+        retriever = _retriever()
+        os.environ["RETRIEVER_URL"] = f"http://127.0.0.1:{retriever.server_port}/retrieve"
+        try:
+            assert fleet.router_url is not None
+            lines = asyncio.run(_record(model, fleet.router_url, keys.api, commit))
+        finally:
+            retriever.shutdown()
+            fleet.stop()
+    if CALLED:
+        raise SystemExit(f"a stub was called ({CALLED}): these goldens would not be miles' own results")
+    for line in lines:
+        print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
