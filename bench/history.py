@@ -1,4 +1,4 @@
-"""History size: what an operation costs as one run's history grows (SQLite Prefect server).
+"""History size: what an operation costs as one run's history grows (SQLite or PostgreSQL Prefect server).
 
 Seeds one run with N completed eval points (N = 100, 1,000, 10,000 by default, cumulatively; one
 RUNNING point at the end) through the REST API (`bench.history_seed`: flow runs created directly
@@ -15,7 +15,7 @@ through a recording httpx transport). The points are seeded before the clock of 
 on, so the refresh's "changed since" window (`changed_margin_s=0` here) holds only the run's
 in-flight point; a trainer's default margin adds the points that ended in the last two minutes.
 
-`python -m bench history [--sizes 100,1000,10000] [--reps 5]`
+`python -m bench history [--sizes 100,1000,10000] [--reps 5] [--db sqlite|postgres]`
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import argparse
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench history")
     parser.add_argument("--sizes", default="100,1000,10000", help="points in the run, comma-separated, ascending")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--db", choices=("sqlite", "postgres"), default="sqlite",
+                        help="the server's database: its own SQLite file, or a local PostgreSQL started for the bench")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     run = "bench-history"
     print(f"{'N points':>9} | {'seed s':>7} | {'first read':>28} | {'refresh':>28} | {'full read (before)':>28} | "
           f"{'status (last 50)':>18}", flush=True)
-    with tempfile.TemporaryDirectory() as home, running_server(Path(home)) as server:
+    with tempfile.TemporaryDirectory() as home, _database(args.db), running_server(Path(home)) as server:
         api = server.api_url
         headers = auth_headers(PrefectApiSettings())
         seed_http = httpx.Client(base_url=api, headers=headers, timeout=60)
@@ -108,6 +111,20 @@ def main(argv: list[str] | None = None) -> None:
                 status = _timed(partial(read_history, run, client=client, last=50), prec, args.reps)
             print(f"{n:>9} | {seed_s:7.1f} | {_cell(first)} | {_cell(refresh)} | {_cell(full)} | "
                   f"{status[0] * 1000:7.1f} ms {status[1]:>2} req", flush=True)
+
+
+@contextmanager
+def _database(kind: str) -> Iterator[None]:
+    """The server's database for the block: SQLite (nothing to do), or a fresh local PostgreSQL
+    (`bench.burst.running_postgres`) named to the server by `PREFECT_API_DATABASE_CONNECTION_URL`."""
+    if kind == "sqlite":
+        yield
+        return
+    from app.prefect_server import env_set, free_port
+    from bench.burst import running_postgres
+
+    with running_postgres(free_port()) as pg, env_set(PREFECT_API_DATABASE_CONNECTION_URL=pg.url):
+        yield
 
 
 def _cell(c: tuple[float, int, int]) -> str:
