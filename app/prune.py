@@ -75,9 +75,7 @@ class PrunePlan(BaseModel):
             out.append(f"kept: the final flow run of {len(self.only_record)} step(s) without ledger rows "
                        f"(their only record){_list(self.only_record)}")
         out.append(
-            f"delete: {len(self.delete)} flow run(s) of {len(steps)} step(s)"
-            + (f" ({_span(steps)})" if steps else "")
-            + f": {superseded} superseded attempt(s), {len(self.delete) - superseded} final run(s) whose "
+            f"delete: {len(self.delete)} flow run(s) of {len(steps)} step(s){_list(steps)}: {superseded} superseded attempt(s), {len(self.delete) - superseded} final run(s) whose "
             "rows stay in the JSONL ledger"
         )
         return out

@@ -70,6 +70,7 @@ from pinned_eval.snapshot.staging import StagingPathError
 from tasks.outcome import keep_best_protection, record_failed, retire_owned
 
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+_PAGE = 200
 
 
 class StuckPoint(BaseModel):
@@ -114,11 +115,16 @@ def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRu
     tags = FlowRunFilterTags(all_=[f"run:{run}"]) if run else None
     # Pending too: a worker that died between submitting and starting the run leaves it Pending.
     state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))
-    runs = client.read_flow_runs(
-        flow_filter=FlowFilter(name=FlowFilterName(any_=[POINT_FLOW])),
-        flow_run_filter=FlowRunFilter(state=state, tags=tags),
-    )
-    return [r for r in runs if "run" in r.parameters and "step" in r.parameters]
+    runs: list[FlowRun] = []
+    while True:  # what is running or pending, in pages (the server's default limit would cut it at 200)
+        page = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[POINT_FLOW])),
+            flow_run_filter=FlowRunFilter(state=state, tags=tags),
+            limit=_PAGE, offset=len(runs),
+        )  # fmt: skip
+        runs += page
+        if len(page) < _PAGE:
+            return [r for r in runs if "run" in r.parameters and "step" in r.parameters]
 
 
 def _protect(staging: StagingBlock, run: str, sinks: str) -> frozenset[int] | None:
