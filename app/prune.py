@@ -75,13 +75,14 @@ class PrunePlan(BaseModel):
             out.append(f"kept: the final flow run of {len(self.only_record)} step(s) without ledger rows "
                        f"(their only record){_list(self.only_record)}")
         out.append(
-            f"delete: {len(self.delete)} flow run(s) of {len(steps)} step(s){_list(steps)}: {superseded} superseded attempt(s), {len(self.delete) - superseded} final run(s) whose "
+            f"delete: {len(self.delete)} flow run(s) of {len(steps)} step(s){_list(steps)}: "
+            f"{superseded} superseded attempt(s), {len(self.delete) - superseded} final run(s) whose "
             "rows stay in the JSONL ledger"
         )
         return out
 
 
-def _span(steps: list[int]) -> str:
+def _span(steps: list[int]) -> str:  # steps in order
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
 
 

@@ -52,7 +52,7 @@ def best(
             scored = [(p.scores[dataset], p) for p in history.points
                       if p.outcome == "measured" and dataset in p.scores]
             found = max(scored, key=lambda vp: (sign * vp[0], -vp[1].step)) if scored else False
-    if not found:
+    if not isinstance(found, tuple):
         fail(f"no measured point of run {run!r} has {metric}")
     value, point = found
     if as_json:
