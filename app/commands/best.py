@@ -51,7 +51,8 @@ def best(
             history = read_history(run, client=client)
             scored = [(p.scores[dataset], p) for p in history.points
                       if p.outcome == "measured" and dataset in p.scores]
-            found = max(scored, key=lambda vp: (sign * vp[0], -vp[1].step)) if scored else False
+            ranked = sorted(scored, key=lambda vp: (-sign * vp[0], vp[1].step))
+            found = ranked[0] if ranked else False
     if not isinstance(found, tuple):
         fail(f"no measured point of run {run!r} has {metric}")
     value, point = found
