@@ -308,17 +308,19 @@ def read_history(
     by_age = sorted(records, key=lambda r: r.created)
     sinks_of_step = {r.step: str(r.parameters.get("sinks", "default")) for r in by_age}
     paths = {name: _jsonl_path(name) for name in set(sinks_of_step.values()) | {"default"}}
-    jsonl_rows = [row for p in {p for p in paths.values() if p} for row in Ledger(p).read(run)]
-    rows_by_step: dict[int, list[MetricRow]] = defaultdict(list)
-    for row in jsonl_rows:
-        rows_by_step[row.step].append(row)
-    if steps is not None:  # the rows of those steps only
-        rows_by_step = defaultdict(list, {s: rows_by_step[s] for s in steps if s in rows_by_step})
-    rows: list[MetricRow] = [r for rs in rows_by_step.values() for r in rs]
+    low: int | None = None
     if last is not None or since is not None:  # leave out the JSONL rows of steps below the window
         lows = [since] if since is not None else []
         lows += [min(sinks_of_step)] if last is not None and sinks_of_step else []
-        rows = [r for r in rows if r.step >= max(lows, default=r.step)]
+        low = max(lows, default=None)
+    wanted = set(steps) if steps is not None else None
+    jsonl_rows = [
+        row for p in {p for p in paths.values() if p} for row in Ledger(p).read(run, steps=wanted, min_step=low)
+    ]
+    rows_by_step: dict[int, list[MetricRow]] = defaultdict(list)
+    for row in jsonl_rows:
+        rows_by_step[row.step].append(row)
+    rows: list[MetricRow] = [r for rs in rows_by_step.values() for r in rs]
     missing = [s for s, name in sinks_of_step.items() if not paths.get(name) and s not in rows_by_step]
     rows.extend(_artifact_rows(client, run, sorted(missing)))
     return build_history(run, records, rows)

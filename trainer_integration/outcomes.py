@@ -61,7 +61,7 @@ class PointOutcomes:
     def outcomes_of(self, steps: list[int]) -> list[PointOutcome]:
         """The outcomes of `steps` only, by step: their flow runs (`PrefectRest.step_point_runs`,
         one request per 200 steps) and their sink rows, never the run's whole history."""
-        rows = self._sink_rows()
+        rows = self._sink_rows(steps)
         return self._outcomes_at(steps, rows)
 
     def _outcomes_at(self, steps: list[int], rows: dict[int, dict[str | None, dict[str, float]]]) -> list[PointOutcome]:
@@ -90,12 +90,13 @@ class PointOutcomes:
                 return found
         return None
 
-    def _sink_rows(self) -> dict[int, dict[str | None, dict[str, float]]]:
+    def _sink_rows(self, steps: list[int] | None = None) -> dict[int, dict[str | None, dict[str, float]]]:
+        """The sink rows of the run (of `steps` only: the ledger's other lines are not parsed)."""
         data = self.rest.block_data(SINKS_BLOCK_SLUG, self.blocks.sinks)
         path = (data or {}).get("jsonl_path")
         out: dict[int, dict[str | None, dict[str, float]]] = {}
         if path and Path(path).exists():
-            for row in Ledger(path).read(self.run):
+            for row in Ledger(path).read(self.run, steps=set(steps) if steps is not None else None):
                 out.setdefault(row.step, {})[row.dataset] = row.metrics
         return out
 
