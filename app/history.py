@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,7 +26,7 @@ from prefect import get_client
 from pydantic import BaseModel, ConfigDict, Field
 
 from blocks import SinksBlock
-from flows.point_runs import point_flow_runs, recent_point_flow_runs
+from flows.point_runs import point_flow_runs, recent_point_flow_runs, step_point_flow_runs
 from pinned_eval.inflight import TERMINAL
 from pinned_eval.points import Outcome, history_artifact_key, outcome_of, reason_of
 from pinned_eval.sinks import Ledger, MetricRow
@@ -267,11 +268,25 @@ def _jsonl_path(sinks_name: str) -> str | None:
         return None
 
 
+def newest_point_sinks(client: SyncPrefectClient, run: str) -> str | None:
+    """The sinks block the run's newest point names (`default` when it names none); None when
+    the run has no point. One request."""
+    runs = recent_point_flow_runs(client, run, last=1)
+    newest = max(runs, key=lambda fr: fr.created or datetime.min.replace(tzinfo=UTC), default=None)
+    return str(newest.parameters.get("sinks", "default")) if newest is not None else None
+
+
 def read_history(
-    run: str, *, client: SyncPrefectClient | None = None, last: int | None = None, since: int | None = None
+    run: str,
+    *,
+    client: SyncPrefectClient | None = None,
+    last: int | None = None,
+    since: int | None = None,
+    steps: Collection[int] | None = None,
 ) -> RunHistory:
     """The history of `run` as Prefect (and the run's JSONL sink) record it now: every step, or
-    (`last` / `since`) the latest `last` steps at or after step `since` (`recent_point_flow_runs`).
+    (`last` / `since`) the latest `last` steps at or after step `since` (`recent_point_flow_runs`),
+    or (`steps`) those steps only (`step_point_flow_runs`: one request per 200 steps).
 
     API cost: the flow-run pages (states come embedded; a run's state history is read only when
     it may hold several attempts, `_may_have_attempts`) and one artifact page per 200 steps
@@ -279,12 +294,13 @@ def read_history(
 
     if client is None:
         with get_client(sync_client=True) as c:
-            return read_history(run, client=c, last=last, since=since)
-    flow_runs = (
-        point_flow_runs(client, run)
-        if last is None and since is None
-        else recent_point_flow_runs(client, run, last=last, since=since)
-    )
+            return read_history(run, client=c, last=last, since=since, steps=steps)
+    if steps is not None:
+        flow_runs = step_point_flow_runs(client, run, steps)
+    elif last is None and since is None:
+        flow_runs = point_flow_runs(client, run)
+    else:
+        flow_runs = recent_point_flow_runs(client, run, last=last, since=since)
     records = [
         FlowRunRecord.from_prefect(fr, client.read_flow_run_states(fr.id) if _may_have_attempts(fr) else None)
         for fr in flow_runs
@@ -292,15 +308,19 @@ def read_history(
     by_age = sorted(records, key=lambda r: r.created)
     sinks_of_step = {r.step: str(r.parameters.get("sinks", "default")) for r in by_age}
     paths = {name: _jsonl_path(name) for name in set(sinks_of_step.values()) | {"default"}}
-    jsonl_rows = [row for p in {p for p in paths.values() if p} for row in Ledger(p).read(run)]
+    low: int | None = None
+    if last is not None or since is not None:  # leave out the JSONL rows of steps below the window
+        lows = [since] if since is not None else []
+        lows += [min(sinks_of_step)] if last is not None and sinks_of_step else []
+        low = max(lows, default=None)
+    wanted = set(steps) if steps is not None else None
+    jsonl_rows = [
+        row for p in {p for p in paths.values() if p} for row in Ledger(p).read(run, steps=wanted, min_step=low)
+    ]
     rows_by_step: dict[int, list[MetricRow]] = defaultdict(list)
     for row in jsonl_rows:
         rows_by_step[row.step].append(row)
     rows: list[MetricRow] = [r for rs in rows_by_step.values() for r in rs]
-    if last is not None or since is not None:  # leave out the JSONL rows of steps below the window
-        lows = [since] if since is not None else []
-        lows += [min(sinks_of_step)] if last is not None and sinks_of_step else []
-        rows = [r for r in rows if r.step >= max(lows, default=r.step)]
     missing = [s for s, name in sinks_of_step.items() if not paths.get(name) and s not in rows_by_step]
     rows.extend(_artifact_rows(client, run, sorted(missing)))
     return build_history(run, records, rows)

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from email.utils import parsedate_to_datetime
+from typing import Any
 
 import httpx
 
@@ -26,12 +27,16 @@ def point_flow_id(http: httpx.Client) -> str:
     return str(resp.json()["id"])
 
 
-def seed_point(http: httpx.Client, flow_id: str, run: str, step: int, state: str = "COMPLETED") -> str:
-    """One point of `run` at `step` in `state` (type; named as Prefect names it); its flow run id."""
+def seed_point(
+    http: httpx.Client, flow_id: str, run: str, step: int, state: str = "COMPLETED",
+    parameters: dict[str, Any] | None = None,
+) -> str:
+    """One point of `run` at `step` in `state` (type; named as Prefect names it), with `parameters`
+    besides `run` and `step` (e.g. its `sinks` block); its flow run id."""
     body = {
         "flow_id": flow_id,
         "name": flow_run_name(run, step),
-        "parameters": {"run": run, "step": step},
+        "parameters": {**(parameters or {}), "run": run, "step": step},
         "tags": [f"run:{run}"],
         "state": {"type": state, "name": state.title(), "message": f"seeded {state.lower()}"},
     }
@@ -45,13 +50,16 @@ def seed_point(http: httpx.Client, flow_id: str, run: str, step: int, state: str
     return str(resp.json()["id"])
 
 
-def seed_points(http: httpx.Client, run: str, steps: range, state: str = "COMPLETED", *, workers: int = 4) -> None:
+def seed_points(
+    http: httpx.Client, run: str, steps: range, state: str = "COMPLETED", *, workers: int = 4,
+    parameters: dict[str, Any] | None = None,
+) -> None:
     """Points of `run` at every step of `steps`, all in `state`, created `workers` at a time in
     step order (as a trainer creates them: out of order by at most `workers` steps)."""
     flow_id = point_flow_id(http)
     with ThreadPoolExecutor(workers) as pool:
         for i in range(0, len(steps), workers):
-            list(pool.map(lambda s: seed_point(http, flow_id, run, s, state), steps[i : i + workers]))
+            list(pool.map(lambda s: seed_point(http, flow_id, run, s, state, parameters), steps[i : i + workers]))
 
 
 def server_time(http: httpx.Client) -> datetime:

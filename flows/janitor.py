@@ -26,7 +26,9 @@ the ledger of the point's sinks block, `default` for a snapshot no flow run name
 flow does, so a janitor pass trims the keep-ring and keeps the best K. A keep_best block whose
 sinks have no JSONL file: logged, and the retire deletes nothing (`Staging.retire`).
 
-Staging sweep: a snapshot `<run>/step_<n>` that is not `.retired` is retired when no flow run of
+Staging sweep: reads the flow runs of the unretired snapshots' steps only (`step_point_flow_runs`,
+one request per run and 200 steps: its cost follows what is staged, not the runs' history). A
+snapshot `<run>/step_<n>` that is not `.retired` is retired when no flow run of
 (run, step) is in flight (`pinned_eval.inflight.in_flight`, the definition admission uses), or
 when no flow run of it exists and it is older than `orphan_age_s` (a trainer's in-loop export
 whose request may still be spooled). Everything goes
@@ -61,13 +63,14 @@ from prefect.states import Crashed
 from pydantic import BaseModel, Field
 
 from blocks import SinksBlock, StagingBlock
-from flows.point_runs import point_flow_runs
+from flows.point_runs import step_point_flow_runs
 from pinned_eval.inflight import POINT_FLOW, in_flight
 from pinned_eval.points import SnapshotSource, flow_run_name
 from pinned_eval.snapshot.staging import StagingPathError
 from tasks.outcome import keep_best_protection, record_failed, retire_owned
 
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+_PAGE = 200
 
 
 class StuckPoint(BaseModel):
@@ -112,11 +115,16 @@ def _stuck_candidates(client: SyncPrefectClient, run: str | None) -> list[FlowRu
     tags = FlowRunFilterTags(all_=[f"run:{run}"]) if run else None
     # Pending too: a worker that died between submitting and starting the run leaves it Pending.
     state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))
-    runs = client.read_flow_runs(
-        flow_filter=FlowFilter(name=FlowFilterName(any_=[POINT_FLOW])),
-        flow_run_filter=FlowRunFilter(state=state, tags=tags),
-    )
-    return [r for r in runs if "run" in r.parameters and "step" in r.parameters]
+    runs: list[FlowRun] = []
+    while True:  # what is running or pending, in pages (the server's default limit would cut it at 200)
+        page = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[POINT_FLOW])),
+            flow_run_filter=FlowRunFilter(state=state, tags=tags),
+            limit=_PAGE, offset=len(runs),
+        )  # fmt: skip
+        runs += page
+        if len(page) < _PAGE:
+            return [r for r in runs if "run" in r.parameters and "step" in r.parameters]
 
 
 def _protect(staging: StagingBlock, run: str, sinks: str) -> frozenset[int] | None:
@@ -187,18 +195,18 @@ def sweep_staging(staging_name: str, run: str | None, orphan_age_s: float, live:
         report.refused.append(f"{staging_name}: {exc}")
         return report
     now = datetime.now(UTC).timestamp()
-    runs_cache: dict[str, dict[int, list[FlowRun]]] = {}
     protect_cache: dict[tuple[str, str], frozenset[int] | None] = {}  # one ledger ranking per (run, sinks)
+    snaps = [snap for snap in staging.list(run) if not snap.retired]
+    by_run: dict[str, dict[int, list[FlowRun]]] = {}
     with get_client(sync_client=True) as client:
-        for snap in staging.list(run):
-            if snap.retired:
-                continue
-            if snap.run not in runs_cache:
-                by_step: dict[int, list[FlowRun]] = {}
-                for fr in point_flow_runs(client, snap.run):
-                    by_step.setdefault(int(fr.parameters["step"]), []).append(fr)
-                runs_cache[snap.run] = by_step
-            runs = runs_cache[snap.run].get(snap.step, [])
+        # the flow runs of the unretired snapshots' steps only, never a run's whole history
+        for r in sorted({snap.run for snap in snaps}):
+            by_step: dict[int, list[FlowRun]] = {}
+            for fr in step_point_flow_runs(client, r, {snap.step for snap in snaps if snap.run == r}):
+                by_step.setdefault(int(fr.parameters["step"]), []).append(fr)
+            by_run[r] = by_step
+        for snap in snaps:
+            runs = by_run[snap.run].get(snap.step, [])
             live_run = any(in_flight(r.state.type.value if r.state else None) for r in runs)
             if (snap.run, snap.step) in live or live_run:
                 report.kept_live.append(snap.path)

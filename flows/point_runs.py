@@ -6,11 +6,13 @@ the trainer side, over REST) sees the same set of runs, untagged RUNNING runs in
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
 from prefect.client.schemas.objects import FlowRun
 
-from pinned_eval.inflight import is_point_of, point_runs_filter
+from pinned_eval.inflight import is_point_of, is_step_point, point_runs_filter, steps_runs_filter
 
 
 def point_flow_runs(client: SyncPrefectClient, run: str, *, page: int = 200) -> list[FlowRun]:
@@ -78,3 +80,30 @@ def recent_point_flow_runs(
             keep = set(sorted(steps)[-last:]) if last is not None else steps
             return [fr for fr in found.values() if int(fr.parameters["step"]) in keep]
         offset += page
+
+
+def step_point_flow_runs(
+    client: SyncPrefectClient, run: str, steps: Iterable[int], *, page: int = 200
+) -> list[FlowRun]:
+    """The eval-point flow runs of `run` at `steps`: those `point_flow_runs` holds for them, in the
+    server's order (`pinned_eval.inflight.steps_runs_filter`, `page` step names per request).
+    Cost: one request per `page` steps (plus a page per `page` runs in flight on the server),
+    never the run's history."""
+    wanted = sorted(set(steps))
+    found: dict[str, FlowRun] = {}
+    for i in range(0, len(wanted), page):
+        chunk = wanted[i : i + page]
+        body = steps_runs_filter(run, chunk)
+        flows = FlowFilter.model_validate(body["flows"])
+        runs = FlowRunFilter.model_validate(body["flow_runs"])
+        offset = 0
+        while True:
+            batch = client.read_flow_runs(flow_filter=flows, flow_run_filter=runs, limit=page, offset=offset)
+            for fr in batch:
+                state = fr.state.type.value if fr.state else None
+                if is_step_point(fr.parameters, fr.tags, state, run, set(chunk)):
+                    found[str(fr.id)] = fr
+            if len(batch) < page:
+                break
+            offset += page
+    return list(found.values())

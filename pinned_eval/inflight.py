@@ -10,6 +10,10 @@ untagged RUNNING run is in flight too. A point is in flight while its state type
 sends it over plain HTTP (`trainer_integration.rest`), the Prefect side validates it into
 Prefect's filter models (`flows.point_runs`), so both read the same runs.
 
+`steps_runs_filter(run, steps)` reads the points of a few steps: runs named after them or not
+terminal (`is_step_point` then keeps those `point_runs_filter` selects); its answer follows the
+steps asked for and what is in flight, never the run's history.
+
 `changed_runs_filter(...)` is the trainer's incremental refresh: every point flow run that is not
 terminal (of any run; `is_point_of` keeps this run's), that ended at or after `since` (server
 time), or that is named after a step this process requested and has not seen yet. Its answer
@@ -66,3 +70,29 @@ def changed_runs_filter(
     if unseen:
         runs["name"] = {"any_": [flow_run_name(run, s) for s in sorted(unseen)]}
     return {"flows": {"name": {"any_": [flow_name]}}, "flow_runs": runs}
+
+
+def steps_runs_filter(run: str, steps: list[int], flow_name: str = POINT_FLOW) -> dict[str, Any]:
+    """`flows` and `flow_runs` filters selecting every point flow run named `<run>/step-<s>` for a
+    step in `steps` (the flow's run name) or not terminal (a triggered run keeps the deployment's
+    generated name until it starts); `is_step_point` then keeps the points of `run` at `steps`."""
+    return {
+        "flows": {"name": {"any_": [flow_name]}},
+        "flow_runs": {
+            "operator": "or_",
+            "name": {"any_": [flow_run_name(run, s) for s in sorted(steps)]},
+            "state": {"type": {"any_": list(NON_TERMINAL)}},
+        },
+    }
+
+
+def is_step_point(
+    parameters: Mapping[str, Any] | None, tags: list[str] | None, state_type: str | None, run: str, steps: set[int]
+) -> bool:
+    """Whether a flow run is a point of `run` at one of `steps` that `point_runs_filter` selects
+    (tagged `run:<run>`, or not terminal)."""
+    return (
+        is_point_of(parameters, run)
+        and int(parameters["step"]) in steps  # type: ignore[index]
+        and (f"run:{run}" in (tags or []) or in_flight(state_type))
+    )

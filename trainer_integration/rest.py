@@ -23,7 +23,15 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from pinned_eval.inflight import POINT_FLOW, changed_runs_filter, in_flight, is_point_of, point_runs_filter
+from pinned_eval.inflight import (
+    POINT_FLOW,
+    changed_runs_filter,
+    in_flight,
+    is_point_of,
+    is_step_point,
+    point_runs_filter,
+    steps_runs_filter,
+)
 from pinned_eval.settings import PrefectApiSettings
 
 _PAGE = 200
@@ -130,6 +138,18 @@ class PrefectRest:
         """`point_runs(run)` and the server's time when it answered (None if it did not say)."""
         raw, at = self._filter(point_runs_filter(run, self.flow_name))
         return self._sorted(raw, run), at
+
+    def step_point_runs(self, run: str, steps: list[int]) -> list[PointRun]:
+        """The point flow runs of `run` at `steps` (those `point_runs` holds for them), oldest
+        first: one request per 200 steps (`pinned_eval.inflight.steps_runs_filter`), not the history."""
+        out: list[dict[str, Any]] = []
+        wanted = sorted(set(steps))
+        for i in range(0, len(wanted), _PAGE):
+            chunk = wanted[i : i + _PAGE]
+            raw, _ = self._filter(steps_runs_filter(run, chunk, self.flow_name))
+            out += [r for r in raw if is_step_point(
+                r.get("parameters"), r.get("tags"), (r.get("state") or {}).get("type"), run, set(chunk))]
+        return self._sorted(out, run)
 
     def point_runs_changed(
         self, run: str, since: datetime, unseen: list[int]

@@ -1,4 +1,5 @@
-"""`pinned-eval status|report|janitor`: read a run's eval history, plot it, clean up after lost hosts.
+"""`pinned-eval status|report|janitor|prune`: read a run's eval history, plot it, clean up after lost
+hosts, delete old flow runs by policy (`app.prune`).
 
 Exit codes: 0 success; 1 the operation failed (no eval point of the run, Prefect unreachable,
 the janitor flow failed); 2 bad input (unknown report format, bad option value, no API URL).
@@ -138,3 +139,38 @@ def janitor(
         typer.echo(f"retired {path}")
     typer.echo(f"janitor: {len(result.crashed)} crashed, {len(result.retired)} retired, "
                f"{len(result.kept_live)} live snapshot(s) kept")
+
+
+def prune(
+    run: RunOpt,
+    keep_last: Annotated[
+        int, typer.Option("--keep-last", min=1, metavar="N", help="Keep every flow run of the latest N steps.")
+    ],
+    yes: Annotated[bool, typer.Option("--yes", help="Delete; without it, only print what would be deleted.")] = False,
+) -> None:
+    """Delete a run's old eval-point flow runs beyond its latest N steps (a preview unless --yes).
+
+    Never deleted: a step in flight, a step its staging block keeps as one of the best K, a step's
+    final flow run when the step has no row in its JSONL ledger (its only record). Older attempts
+    of a step go; its final run goes only when its rows are in the ledger (`status` reads it there)."""
+    from app.prune import PruneError, apply_prune, plan_prune  # prefect: slow import; `--help` stays fast
+
+    with prefect_client() as client:
+        try:
+            plan = plan_prune(client, run, keep_last)
+        except PruneError as exc:
+            fail(f"{exc}; nothing deleted")
+        if not plan.points:
+            fail(f"no eval point of run {run!r} is recorded")
+        for line in plan.lines():
+            typer.echo(line)
+        if not plan.delete:
+            typer.echo("nothing to delete")
+            return
+        if not yes:
+            typer.echo("nothing deleted: pass --yes to delete")
+            return
+        deleted = apply_prune(client, plan)
+    left = len(plan.delete) - len(deleted)
+    typer.echo(f"deleted {len(deleted)} flow run(s)"
+               + (f"; {left} not deleted (back in flight or gone since the plan)" if left else ""))

@@ -242,11 +242,11 @@ def source_text(raw: object) -> str:
 
 
 def step_runs(client: SyncPrefectClient, run: str, step: int) -> list[FlowRunRecord]:
-    """Every flow run of the point, oldest first."""
+    """Every flow run of the point, oldest first (one request, `step_point_flow_runs`: not the run's history)."""
     from app.history import FlowRunRecord  # prefect: slow import; `pinned-eval --help` stays fast
-    from flows.point_runs import point_flow_runs  # prefect: slow import; `pinned-eval --help` stays fast
+    from flows.point_runs import step_point_flow_runs  # prefect: slow import; `pinned-eval --help` stays fast
 
-    records = [FlowRunRecord.from_prefect(fr) for fr in point_flow_runs(client, run)]
+    records = [FlowRunRecord.from_prefect(fr) for fr in step_point_flow_runs(client, run, [step])]
     return sorted((r for r in records if r.step == step), key=lambda r: r.created)
 
 
@@ -283,7 +283,7 @@ def no_worker_hint(client: SyncPrefectClient, pool: str) -> str:
 
 def untagged_runs(client: SyncPrefectClient, run: str, step: int) -> list[Any]:
     """Flow runs of the point that ended before the flow tagged them (e.g. a refused source):
-    `step_runs` cannot see them; newest first, among the flow's latest 200 terminal runs."""
+    `step_runs` cannot see them; newest first, among the latest 200 terminal runs named after the point."""
     from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
     from prefect.client.schemas.sorting import FlowRunSort
 
@@ -291,7 +291,9 @@ def untagged_runs(client: SyncPrefectClient, run: str, step: int) -> list[Any]:
 
     runs = client.read_flow_runs(
         flow_filter=FlowFilter.model_validate({"name": {"any_": [POINT_FLOW]}}),
-        flow_run_filter=FlowRunFilter.model_validate({"state": {"type": {"any_": list(TERMINAL)}}}),
+        flow_run_filter=FlowRunFilter.model_validate(
+            {"name": {"any_": [flow_run_name(run, step)]}, "state": {"type": {"any_": list(TERMINAL)}}}
+        ),
         sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200,
     )
     return [fr for fr in runs if is_point_of(fr.parameters, run) and fr.parameters.get("step") == step

@@ -24,10 +24,12 @@ this point, exporter name -> error; the point's state is unchanged by them (`tas
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
+import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pinned_eval.durable import replace_durably
 
 log = logging.getLogger(__name__)
+# the start of a line `MetricRow.to_line` wrote: its run (a JSON string) and step, in that order
+_HEAD = re.compile(rb'\{"run":("(?:[^"\\]|\\.)*"),"step":(-?\d+)[,}]')
 
 
 class MetricRow(BaseModel):
@@ -84,8 +88,11 @@ class Ledger:
         self.path = Path(path)
         self.bad_lines: list[str] = []  # `<file>:<line>: <problem>` of the last read or write
 
-    def _lines(self) -> Iterator[tuple[bytes, MetricRow | None]]:
-        """Every non-blank line with its row, or None (warned and noted) when it is not one."""
+    def _lines(self, wanted: Callable[[str, int], bool] | None = None) -> Iterator[tuple[bytes, MetricRow | None]]:
+        """Every non-blank line with its row, or None (warned and noted) when it is not one.
+
+        `wanted(run, step)`: a line this module wrote (`_HEAD`: its run and step first) of a
+        point not wanted is passed over unparsed; every other line is parsed as before."""
         self.bad_lines = []
         if not self.path.exists():
             return
@@ -93,6 +100,14 @@ class Ledger:
             for lineno, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
+                if wanted is not None and (head := _HEAD.match(raw)) is not None:
+                    try:
+                        run, step = json.loads(head[1]), int(head[2])
+                    except ValueError:
+                        pass
+                    else:
+                        if not wanted(run, step):
+                            continue
                 try:
                     row = MetricRow.model_validate_json(raw)
                 except ValueError as exc:  # not JSON, not UTF-8, not a metric row
@@ -102,9 +117,22 @@ class Ledger:
                     row = None
                 yield raw, row
 
-    def read(self, run: str | None = None) -> list[MetricRow]:
-        """Every row (of `run`), in file order; lines that are not rows are skipped (`bad_lines`)."""
-        return [row for _, row in self._lines() if row is not None and (run is None or row.run == run)]
+    def read(
+        self, run: str | None = None, *, steps: Collection[int] | None = None, min_step: int | None = None
+    ) -> list[MetricRow]:
+        """Every row (of `run`; of `steps`; at or after `min_step`), in file order; lines that are
+        not rows are skipped (`bad_lines`). With a filter, the lines of other points are passed
+        over without being parsed (`_lines`), so a read of a few steps costs a scan of the file's
+        bytes, not a parse of every row; a bad line is noted unless its start names a point not
+        read."""
+
+        def keep(r: str, step: int) -> bool:
+            return ((run is None or r == run) and (steps is None or step in steps)
+                    and (min_step is None or step >= min_step))  # fmt: skip
+
+        filtered = run is not None or steps is not None or min_step is not None
+        lines = self._lines(keep if filtered else None)
+        return [row for _, row in lines if row is not None and keep(row.run, row.step)]
 
     def write_point(self, rows: list[MetricRow]) -> None:
         """Replace every row of the points in `rows` with `rows` (atomically); other lines,
