@@ -13,7 +13,7 @@ Contract:
   sample instead. Only the JSON body goes on (no header of the caller): the session adds the fleet's
   key, bounds concurrency, retries aborts and checks the weight version of every reply. The second
   hop goes over the gateway's own keep-alive client (`Upstream`, `send=`), not the point's httpx
-  client.
+  client; requests are parsed by uvicorn's httptools protocol (llhttp), not h11.
 - `DELETE /sessions/{id}` closes that sample's session early (200 `{id, closed: true, calls}`):
   every later call of the sample (its session routes, or the header naming it) is 404 "session
   closed", and so is a second DELETE; calls admitted before the close finish and are recorded, so
@@ -125,8 +125,8 @@ class PointGateway:
     async def __aenter__(self) -> PointGateway:
         sock = self._listener()
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app, lifespan="off", log_level="warning", access_log=False,
-                                proxy_headers=False, server_header=False, date_header=False,
+        config = uvicorn.Config(self._app, http="httptools", lifespan="off", log_level="warning",
+                                access_log=False, proxy_headers=False, server_header=False, date_header=False,
                                 timeout_graceful_shutdown=1)
         self._server = server = _Server(config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -4,8 +4,11 @@ model call, without httpx's request/response model, anyio or a pool manager in b
 Contract:
 - `await send(method, url, body, headers)` -> `(status, body bytes)`: one request, the body's bytes
   as given (`Content-Type: application/json` when there is one), `headers` added as given; the
-  reply's bytes as they came (Content-Length or chunked, parsed by h11). It fits
-  `RouterGenerator.forward(send=...)`, which keeps its bound, retries and version check.
+  reply's bytes as they came (Content-Length or chunked; a 1xx is skipped; a reply without either
+  ends at the close). It fits `RouterGenerator.forward(send=...)`, which keeps its bound, retries
+  and version check. The peer is the point's router (loopback or the fleet's network), so the
+  parser is small and strict: a head over 64 KiB, a reply over `MAX_REPLY` bytes or anything it
+  cannot read is refused, never guessed at.
 - Connections are kept alive and reused, one per request in flight, per origin (`http://` only);
   an idle one the server has closed is dropped before use; a connection whose exchange did not end
   cleanly (error, timeout, cancellation, `Connection: close`) is closed, never reused.
@@ -22,18 +25,17 @@ import asyncio
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import h11
+__all__ = ["MAX_REPLY", "Upstream"]
 
-__all__ = ["Upstream"]
-
-_READ = 65536
+MAX_REPLY = 256 * 1024 * 1024  # bytes of one reply body
+_HEAD = 65536  # bytes of one reply head (and the stream buffer)
 
 
 @dataclass
 class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    h11: h11.Connection
+    reusable: bool = False
 
     def usable(self) -> bool:
         return not (self.reader.at_eof() or self.writer.is_closing() or self.reader.exception() is not None)
@@ -48,29 +50,36 @@ class Upstream:
     def __init__(self, *, timeout_s: float | None = None) -> None:
         self.timeout_s = timeout_s
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._targets: dict[str, tuple[tuple[str, int], bytes, bytes]] = {}  # url -> origin, host, path
+        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}  # url -> origin, request head start
 
-    def _target(self, url: str) -> tuple[tuple[str, int], bytes, bytes]:
+    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
         hit = self._targets.get(url)
         if hit is None:
             parts = urlsplit(url)
             if parts.scheme != "http" or not parts.hostname:
                 raise ValueError(f"Upstream: only http:// URLs, got {url!r}")
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            hit = self._targets[url] = ((parts.hostname, parts.port or 80), parts.netloc.encode(), path.encode())
+            if any(c in path + parts.netloc for c in " \r\n"):
+                raise ValueError(f"Upstream: no spaces or line breaks in the URL, got {url!r}")
+            line = f" {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
+            hit = self._targets[url] = ((parts.hostname, parts.port or 80), line)
         return hit
 
     async def send(self, method: str, url: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
-        origin, host, path = self._target(url)
+        origin, line = self._target(url)
+        head = method.encode() + line + "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
+        if body is not None:
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
         conn = await self._conn(origin)
         try:
             async with asyncio.timeout(self.timeout_s):
-                status, data = await self._exchange(conn, method.encode(), host, path, body, headers)
+                conn.writer.write(head + b"\r\n" + (body or b""))
+                await conn.writer.drain()
+                status, data = await self._reply(conn, method == "HEAD")
         except BaseException:
             conn.close()
             raise
-        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-            conn.h11.start_next_cycle()
+        if conn.reusable:
             self._idle.setdefault(origin, []).append(conn)
         else:
             conn.close()
@@ -84,48 +93,87 @@ class Upstream:
                 return conn
             conn.close()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*origin, limit=_READ), self.timeout_s)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*origin, limit=_HEAD), self.timeout_s)
         except TimeoutError:
             raise TimeoutError(f"connect to {origin[0]}:{origin[1]} timed out") from None
-        return _Conn(reader, writer, h11.Connection(h11.CLIENT))
-
-    @staticmethod
-    async def _exchange(
-        conn: _Conn, method: bytes, host: bytes, path: bytes, body: bytes | None, headers: dict[str, str]
-    ) -> tuple[int, bytes]:
-        hc = conn.h11
-        fields = [(b"host", host), *((k.encode(), v.encode()) for k, v in headers.items())]
-        if body is not None:
-            fields += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        try:
-            out = hc.send(h11.Request(method=method, target=path, headers=fields)) or b""
-            if body:
-                out += hc.send(h11.Data(data=body)) or b""
-            out += hc.send(h11.EndOfMessage()) or b""
-            conn.writer.write(out)
-            await conn.writer.drain()
-            status, chunks, eof = 0, [], False
-            while True:
-                event = hc.next_event()
-                if event is h11.NEED_DATA:
-                    data = await conn.reader.read(_READ)
-                    eof = not data
-                    hc.receive_data(data)  # b"" is EOF (which ends a reply delimited by the close)
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    chunks.append(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    return status, b"".join(chunks)
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise ConnectionError("the router closed the connection before its reply ended")
-        except h11.ProtocolError as exc:
-            if eof:
-                raise ConnectionError("the router closed the connection before its reply ended") from None
-            raise ConnectionError(f"malformed HTTP from the router: {exc}") from None
+        return _Conn(reader, writer)
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, {}
         for conns in idle.values():
             for conn in conns:
                 conn.close()
+
+    @staticmethod
+    async def _reply(conn: _Conn, head_only: bool) -> tuple[int, bytes]:
+        """Read one reply; `conn.reusable` says whether it ended cleanly with the connection kept."""
+        reader = conn.reader
+        conn.reusable = False
+        try:
+            while True:
+                status, fields = _parse_head(await reader.readuntil(b"\r\n\r\n"))
+                if not 100 <= status < 200:
+                    break
+            keep = fields.get("connection", "").lower() != "close"
+            if head_only or status in (204, 304):
+                data = b""
+            elif "chunked" in fields.get("transfer-encoding", "").lower():
+                data = await _chunked(reader)
+            elif "content-length" in fields:
+                length = fields["content-length"]
+                if not length.isdigit() or int(length) > MAX_REPLY:
+                    raise ConnectionError(f"the router's reply has a bad Content-Length: {length[:40]!r}")
+                data = await reader.readexactly(int(length))
+            else:  # delimited by the close
+                data, keep = await _until_eof(reader), False
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("the router closed the connection before its reply ended") from None
+        except asyncio.LimitOverrunError:
+            raise ConnectionError("malformed HTTP from the router (a head or chunk line over 64 KiB)") from None
+        conn.reusable = keep
+        return status, data
+
+
+def _parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
+    """(status, headers by lower-case name) of one reply head, or `ConnectionError`."""
+    lines = raw.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if not version.startswith("HTTP/1.") or not code.isdigit():
+        raise ConnectionError(f"malformed HTTP from the router: status line {lines[0][:80]!r}")
+    fields: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ConnectionError(f"malformed HTTP from the router: header line {line[:80]!r}")
+            fields[name.strip().lower()] = value.strip()
+    return int(code), fields
+
+
+async def _until_eof(reader: asyncio.StreamReader) -> bytes:
+    data = bytearray()
+    while chunk := await reader.read(_HEAD):
+        data += chunk
+        if len(data) > MAX_REPLY:
+            raise ConnectionError(f"the router's reply is over {MAX_REPLY} bytes")
+    return bytes(data)
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    data = bytearray()
+    while True:
+        size_line = (await reader.readuntil(b"\r\n")).split(b";", 1)[0].strip()
+        try:
+            size = int(size_line, 16)
+        except ValueError:
+            raise ConnectionError(f"malformed HTTP from the router: chunk size {size_line[:40]!r}") from None
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
+                pass
+            return bytes(data)
+        if len(data) + size > MAX_REPLY:
+            raise ConnectionError(f"the router's reply is over {MAX_REPLY} bytes")
+        data += await reader.readexactly(size)
+        if await reader.readexactly(2) != b"\r\n":
+            raise ConnectionError("malformed HTTP from the router: a chunk not ended by CRLF")

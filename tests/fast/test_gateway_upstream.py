@@ -16,11 +16,20 @@ from pinned_eval.fleet.errors import FleetError
 from pinned_eval.fleet.generate import RouterGenerator
 from pinned_eval.gateway.upstream import Upstream
 
+CANNED = {
+    b"/continue": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    b"/nocontent": b"HTTP/1.1 204 No Content\r\n\r\n",
+    b"/eof": b"HTTP/1.1 200 OK\r\n\r\nuntil the close",
+    b"/bad": b"SMTP ready\r\n\r\n",
+    b"/badlength": b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    b"/huge": b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 70000 + b"\r\n\r\n",
+}
+
 
 class RawServer:
     """HTTP/1.1 by hand: each request's head and body recorded with its connection's number; the reply
-    per request path: `/chunked` chunked, `/close` with `Connection: close`, `/hang` never, `/cut` the
-    connection dropped before a reply; anything else Content-Length JSON echoing the body."""
+    per request path: `CANNED` as written, `/chunked` chunked, `/close` with `Connection: close`,
+    `/hang` never, `/cut` the connection dropped before a reply; else Content-Length JSON echoing the body."""
 
     def __init__(self) -> None:
         self.connections = 0
@@ -43,6 +52,12 @@ class RawServer:
                     await asyncio.Event().wait()
                 if path == b"/cut":
                     break
+                if path in CANNED:
+                    writer.write(CANNED[path])
+                    await writer.drain()
+                    if path in (b"/eof", b"/bad", b"/huge"):
+                        break
+                    continue
                 if path == b"/chunked":
                     writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                                  b"3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\n\r\n")
@@ -185,3 +200,31 @@ async def test_the_gateway_keeps_one_connection_to_the_router_and_closes_it_on_e
         assert server.connections == 1 and len(server.requests) == 3 and len(idle) == 1
         assert b"authorization: Bearer fleet" in server.requests[0][1].lower().replace(b"bearer", b"Bearer")
         assert idle[0].writer.is_closing() and gw._upstream._idle == {}
+
+
+async def test_reply_framing_and_refusals(raw: tuple[RawServer, str]) -> None:
+    server, url = raw
+    up = Upstream(timeout_s=5)
+    assert await up.send("GET", f"{url}/continue", None, {}) == (200, b"ok")  # the 1xx skipped
+    assert await up.send("GET", f"{url}/nocontent", None, {}) == (204, b"")
+    assert server.connections == 1  # both kept the connection
+    assert await up.send("GET", f"{url}/eof", None, {}) == (200, b"until the close")
+    assert up._idle[("127.0.0.1", _port(url))] == []  # a close-delimited reply ends its connection
+    for path, message in [("/bad", "status line 'SMTP ready'"), ("/badlength", "bad Content-Length: '-1'"),
+                          ("/huge", "a head or chunk line over 64 KiB")]:
+        with pytest.raises(ConnectionError, match=message):
+            await up.send("GET", f"{url}{path}", None, {})
+    with pytest.raises(ValueError, match="no spaces or line breaks"):
+        await up.send("GET", f"{url}/a b", None, {})
+    await up.aclose()
+
+
+async def test_the_gateway_parses_with_httptools() -> None:
+    from pinned_eval.gateway import GatewayLimits, PointGateway
+    from pinned_eval.rollout.session import PointSession
+
+    async with httpx.AsyncClient() as http:
+        session = PointSession(RouterGenerator(http, "http://127.0.0.1:9"), expected_version="1", rid_prefix="p")
+        async with PointGateway(session, GatewayLimits()) as gw:
+            assert gw._server is not None and gw._server.config.http_protocol_class.__name__ == "HttpToolsProtocol"
+            assert (await http.get(f"{gw.base_url}/health")).json() == {"status": "ok"}
