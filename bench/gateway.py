@@ -8,8 +8,9 @@ so they share the load of the moment:
   sends); `chat`: `/v1/chat/completions`, one user message, `max_tokens` N;
 - `direct` (the fleet's key, straight to the router), `via gateway` (`PointGateway` as it is: its
   second hop over its own keep-alive client, `Upstream`), and `via gateway (httpx hop)`
-  (`HttpxGateway`: the same gateway with the second hop through the point's httpx client, as it
-  was before `Upstream`). The gateways add the key, check the version, count and record.
+  (`HttpxGateway`: the same gateway with the second hop through the point's httpx client and
+  uvicorn's h11 parser, as it was before `Upstream` and httptools). The gateways add the key,
+  check the version, count and record.
 `overhead` is per pair (gateway call minus the direct call of the same round): p50, p90, p99, and
 the p50 as a percentage of the direct call's p50. `gateway CPU` is the CPU time the gateways'
 process spent per call (its process CPU clock read before and after each call, Linux): the
@@ -65,7 +66,10 @@ class NagleGateway(PointGateway):
 
 
 class HttpxGateway(PointGateway):
-    """The gateway before `Upstream`: its second hop through the point's httpx client."""
+    """The gateway before `Upstream`: its second hop through the point's httpx client, and uvicorn's
+    h11 protocol parsing the requests."""
+
+    _http = "h11"
 
     def __init__(self, session: PointSession, limits: GatewayLimits) -> None:
         super().__init__(session, limits)

@@ -102,6 +102,8 @@ def _error(status: int, message: str) -> JSONResponse:
 class PointGateway:
     """One point's model gateway (see the module docstring)."""
 
+    _http = "httptools"  # uvicorn's HTTP protocol (the parser of user code's requests)
+
     def __init__(self, session: PointSession, limits: GatewayLimits) -> None:
         self.session = session
         self.limits = limits
@@ -125,7 +127,7 @@ class PointGateway:
     async def __aenter__(self) -> PointGateway:
         sock = self._listener()
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app, http="httptools", lifespan="off", log_level="warning",
+        config = uvicorn.Config(self._app, http=self._http, lifespan="off", log_level="warning",
                                 access_log=False, proxy_headers=False, server_header=False, date_header=False,
                                 timeout_graceful_shutdown=1)
         self._server = server = _Server(config)

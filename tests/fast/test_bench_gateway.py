@@ -43,6 +43,7 @@ async def test_the_before_variant_sends_the_second_hop_over_httpx() -> None:
         session = PointSession(RouterGenerator(http, "http://127.0.0.1:9"), expected_version="1", rid_prefix="b")
         new, old = PointGateway(session, GatewayLimits()), HttpxGateway(session, GatewayLimits())
         assert (old._send, new._send) == (None, new._upstream.send)
+        assert (old._http, new._http) == ("h11", "httptools")
 
 
 def test_the_cpu_clock_is_the_process_clock_of_that_pid() -> None:
