@@ -8,8 +8,8 @@ so they share the load of the moment:
   sends); `chat`: `/v1/chat/completions`, one user message, `max_tokens` N;
 - `direct` (the fleet's key, straight to the router), `via gateway` (`PointGateway` as it is: its
   second hop over its own keep-alive client, `Upstream`), and `via gateway (httpx hop)`
-  (`HttpxGateway`: the same gateway with the second hop through the point's httpx client and
-  uvicorn's h11 parser, as it was before `Upstream` and httptools). The gateways add the key,
+  (`HttpxGateway`: the same gateway as it was before `Upstream`, httptools and the bare ASGI app:
+  the second hop through the point's httpx client, uvicorn's h11 parser, Starlette's routing). The gateways add the key,
   check the version, count and record.
 `overhead` is per pair (gateway call minus the direct call of the same round): p50, p90, p99, and
 the p50 as a percentage of the direct call's p50. `gateway CPU` is the CPU time the gateways'
@@ -66,14 +66,18 @@ class NagleGateway(PointGateway):
 
 
 class HttpxGateway(PointGateway):
-    """The gateway before `Upstream`: its second hop through the point's httpx client, and uvicorn's
-    h11 protocol parsing the requests."""
+    """The gateway before `Upstream`: its second hop through the point's httpx client, uvicorn's h11
+    protocol parsing the requests, Starlette routing them (the same endpoints)."""
 
     _http = "h11"
 
     def __init__(self, session: PointSession, limits: GatewayLimits) -> None:
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
         super().__init__(session, limits)
         self._send = None
+        self._app = Starlette(routes=[Route(r.path, r.endpoint, methods=sorted(r.methods)) for r in self._routes()])
 
 
 VARIANTS = ("direct", "via gateway", "via gateway (httpx hop)")

@@ -13,7 +13,8 @@ Contract:
   sample instead. Only the JSON body goes on (no header of the caller): the session adds the fleet's
   key, bounds concurrency, retries aborts and checks the weight version of every reply. The second
   hop goes over the gateway's own keep-alive client (`Upstream`, `send=`), not the point's httpx
-  client; requests are parsed by uvicorn's httptools protocol (llhttp), not h11.
+  client; requests are parsed by uvicorn's httptools protocol (llhttp), not h11, and routed by a
+  bare ASGI app (`pinned_eval.gateway.asgi`), not Starlette.
 - `DELETE /sessions/{id}` closes that sample's session early (200 `{id, closed: true, calls}`):
   every later call of the sample (its session routes, or the header naming it) is 404 "session
   closed", and so is a second DELETE; calls admitted before the close finish and are recorded, so
@@ -48,13 +49,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from pinned_eval.fleet.errors import FleetError, GenerateRejected, WeightVersionMismatch
 from pinned_eval.fleet.generate import Sender
+from pinned_eval.gateway.asgi import App, JSONResponse, Request, Response, Route
 from pinned_eval.gateway.limits import AgentBudgetExceeded, GatewayLimits, SampleLimitExceeded
 from pinned_eval.gateway.records import CallRecord, SampleState, transcript_entry
 from pinned_eval.gateway.upstream import Upstream
@@ -121,7 +119,7 @@ class PointGateway:
         self._sock: socket.socket | None = None
         self._upstream = Upstream(timeout_s=session.request_timeout_s)
         self._send: Sender | None = self._upstream.send  # None: the point's httpx client carries it
-        self._app = Starlette(routes=self._routes())
+        self._app = App(self._routes())
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> PointGateway:

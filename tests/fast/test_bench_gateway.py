@@ -44,6 +44,7 @@ async def test_the_before_variant_sends_the_second_hop_over_httpx() -> None:
         new, old = PointGateway(session, GatewayLimits()), HttpxGateway(session, GatewayLimits())
         assert (old._send, new._send) == (None, new._upstream.send)
         assert (old._http, new._http) == ("h11", "httptools")
+        assert (type(old._app).__name__, type(new._app).__name__) == ("Starlette", "App")
 
 
 def test_the_cpu_clock_is_the_process_clock_of_that_pid() -> None:
