@@ -141,10 +141,11 @@ async def test_a_connection_the_server_closed_is_not_reused(raw: tuple[RawServer
 
 
 async def test_failures_are_oserrors_and_fleet_errors_through_forward(raw: tuple[RawServer, str]) -> None:
-    _, url = raw
+    server, url = raw
     up = Upstream(timeout_s=0.3)
     with pytest.raises(ConnectionError, match="closed the connection before its reply ended"):
         await up.send("POST", f"{url}/cut", b"{}", {})
+    assert [head.split(b" ")[1] for _, head, _ in server.requests] == [b"/cut"]  # sent once, not retried
     with pytest.raises(TimeoutError):
         await up.send("POST", f"{url}/hang", b"{}", {})
     assert up._idle == {}  # neither connection kept
