@@ -17,7 +17,8 @@ Contract:
   text); a 200 reply must be JSON and name `expected` (`check_reply_version`), else
   `GenerateRejected` / `WeightVersionMismatch`. `expected=None` (e.g. `GET /v1/models`) checks none.
   `send=` (a `Sender`) carries the exchange instead of the httpx client (the point gateway's lean
-  keep-alive client); its transport failures (`OSError`) are `FleetError` as httpx's are.
+  keep-alive client) to an `http://` router (an `https://` one keeps httpx); its transport failures
+  (`OSError`) are `FleetError` as httpx's are.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ class RouterGenerator:
         content = None if body is None else json.dumps(
             body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         try:
-            if send is not None:
+            if send is not None and self.url.startswith("http://"):  # TLS stays with httpx
                 return await send(method, f"{self.url}{path}", content, self._headers)
             headers = self._headers if content is None else {**self._headers, "Content-Type": "application/json"}
             resp = await self._http.request(method, f"{self.url}{path}", content=content, headers=headers)

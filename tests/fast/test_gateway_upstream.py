@@ -229,3 +229,19 @@ async def test_the_gateway_parses_with_httptools() -> None:
         async with PointGateway(session, GatewayLimits()) as gw:
             assert gw._server is not None and gw._server.config.http_protocol_class.__name__ == "HttpToolsProtocol"
             assert (await http.get(f"{gw.base_url}/health")).json() == {"status": "ok"}
+
+
+async def test_an_https_router_keeps_the_httpx_client() -> None:
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url} {request.headers['authorization']} {request.content.decode()}")
+        return httpx.Response(200, json={"ok": 1})
+
+    async def never(*args: Any) -> tuple[int, bytes]:
+        raise AssertionError("send= used for an https:// router")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        gen = RouterGenerator(http, "https://router.example:8443", api_key="k")
+        assert await gen.forward("POST", "/v1/models", {"a": "é"}, None, send=never) == (200, {"ok": 1})
+    assert seen == ['POST https://router.example:8443/v1/models Bearer k {"a":"é"}']
