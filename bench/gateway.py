@@ -1,21 +1,20 @@
 """Point gateway overhead: one model call through `PointGateway` against the same call straight to
 the router (goal: p50 overhead ≤ 1 ms and ≤ 5 % of the call).
 
-A CPU engine (tiny model) behind the real sglang-router; a gateway in front of it, as a point runs
-it. Variants, interleaved call by call so they share the load of the moment:
-- `/generate direct` / `/generate via gateway`: `input_ids`, `max_new_tokens` N, greedy,
-  `return_logprob` (what miles' generate hub sends);
-- `chat direct` / `chat via gateway`: `/v1/chat/completions`, one user message, `max_tokens` N.
-The direct call carries the fleet's key; the gateway call the gateway's token, and the gateway
-adds the key, checks the version, counts and records. A third variant, `via gateway (Nagle)`, is
-the gateway as it was before its listening socket named `IPPROTO_TCP` (asyncio then leaves Nagle
-on, and each reply's body waits for the client's delayed ACK): old and new side by side. The
-client and the gateway share one event loop (the worker runs user code in another process: this
-is the pessimistic case). `overhead` is per pair (gateway call minus the direct call next to it):
-p50, p90, p99, and the p50 as a percentage of the direct call's p50. `CPU` is this process's CPU
-time per call (client, plus the gateway for the gateway calls; the router and engine run
-elsewhere): its difference is the gateway's own work, which a loaded machine stretches in wall
-time.
+A CPU engine (tiny model) behind the real sglang-router; the gateways in a process of their own,
+as a point runs them (user code calls from another process). Variants, interleaved call by call
+so they share the load of the moment:
+- `/generate`: `input_ids`, `max_new_tokens` N, greedy, `return_logprob` (what miles' generate hub
+  sends); `chat`: `/v1/chat/completions`, one user message, `max_tokens` N;
+- `direct` (the fleet's key, straight to the router), `via gateway` (`PointGateway` as it is: its
+  second hop over its own keep-alive client, `Upstream`), and `via gateway (httpx hop)`
+  (`HttpxGateway`: the same gateway as it was before `Upstream`, httptools and the bare ASGI app:
+  the second hop through the point's httpx client, uvicorn's h11 parser, Starlette's routing). The gateways add the key,
+  check the version, count and record.
+`overhead` is per pair (gateway call minus the direct call of the same round): p50, p90, p99, and
+the p50 as a percentage of the direct call's p50. `gateway CPU` is the CPU time the gateways'
+process spent per call (its process CPU clock read before and after each call, Linux): the
+gateway's own work, which a loaded machine stretches in wall time, and less noisy than wall time.
 
 Usage: `python -m bench gateway [--calls N] [--max-new-tokens N]` (defaults 200, 8).
 """
@@ -24,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +56,7 @@ def _free_port() -> int:
 
 
 class NagleGateway(PointGateway):
-    """The gateway before the fix: a listening socket with `proto` 0, so asyncio leaves Nagle on."""
+    """The gateway before the Nagle fix: a listening socket with `proto` 0, so asyncio leaves Nagle on."""
 
     @staticmethod
     def _listener() -> socket.socket:
@@ -63,7 +65,39 @@ class NagleGateway(PointGateway):
         return sock
 
 
-VARIANTS = ("direct", "via gateway", "via gateway (Nagle)")
+class HttpxGateway(PointGateway):
+    """The gateway before `Upstream`: its second hop through the point's httpx client, uvicorn's h11
+    protocol parsing the requests, Starlette routing them (the same endpoints)."""
+
+    _http = "h11"
+
+    def __init__(self, session: PointSession, limits: GatewayLimits) -> None:
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        super().__init__(session, limits)
+        self._send = None
+        self._app = Starlette(routes=[Route(r.path, r.endpoint, methods=sorted(r.methods)) for r in self._routes()])
+
+
+VARIANTS = ("direct", "via gateway", "via gateway (httpx hop)")
+
+
+def cpu_clock(pid: int) -> int:
+    """The process CPU clock id of `pid` (Linux: `clock_getcpuclockid`, which Python does not expose)."""
+    return ((~pid) << 3) | 2  # CPUCLOCK_SCHED, process-wide
+
+
+async def _serve(router: str, key: str) -> None:
+    """The gateways' process: both gateways on one session; their addresses on stdout; until stdin ends."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        session = PointSession(RouterGenerator(http, router, api_key=key), expected_version="1", rid_prefix="bench")
+        async with PointGateway(session, GatewayLimits()) as gw, HttpxGateway(session, GatewayLimits()) as old:
+            print(json.dumps({"via gateway": [gw.base_url, gw.token], "via gateway (httpx hop)":
+                              [old.base_url, old.token]}), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+            bad = [c for c in [*gw.calls, *old.calls] if c.status != 200]
+            assert gw.violation is None and not bad, bad[:3]
 
 
 def start_fleet(base: Path) -> LaunchedFleet:
@@ -92,31 +126,40 @@ async def measure(
     }
     times: dict[str, list[float]] = {f"{k} {v}": [] for k in bodies for v in VARIANTS}
     cpu: dict[str, list[float]] = {k: [] for k in times}
-    async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=60) as user:
-        session = PointSession(RouterGenerator(http, router, api_key=fleet.keys.api), expected_version="1",
-                               rid_prefix="bench")
-        async with PointGateway(session, GatewayLimits()) as gw, NagleGateway(session, GatewayLimits()) as old:
-            targets = {"direct": (router, {"Authorization": f"Bearer {fleet.keys.api}"}),
-                       "via gateway": (gw.base_url, {"Authorization": f"Bearer {gw.token}"}),
-                       "via gateway (Nagle)": (old.base_url, {"Authorization": f"Bearer {old.token}"})}
+    child = subprocess.Popen([sys.executable, "-m", "bench.gateway", "--serve"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(json.dumps([router, fleet.keys.api]) + "\n")  # the key never on a command line
+        child.stdin.flush()
+        served = json.loads(await asyncio.to_thread(child.stdout.readline))
+        clock = cpu_clock(child.pid)
+        targets = {"direct": (router, {"Authorization": f"Bearer {fleet.keys.api}"}),
+                   **{v: (url, {"Authorization": f"Bearer {token}"}) for v, (url, token) in served.items()}}
+        async with httpx.AsyncClient(timeout=60) as user:
             for i in range(calls + 5):  # the first 5 rounds warm up
                 for name, (path, body) in bodies.items():
                     for variant, (url, headers) in targets.items():
-                        c0, t0 = time.process_time(), time.perf_counter()
+                        c0, t0 = time.clock_gettime(clock), time.perf_counter()
                         r = await user.post(url + path, json=body, headers=headers)
-                        elapsed, used = time.perf_counter() - t0, time.process_time() - c0
+                        elapsed, used = time.perf_counter() - t0, time.clock_gettime(clock) - c0
                         assert r.status_code == 200, r.text
                         if i >= 5:
                             times[f"{name} {variant}"].append(elapsed)
                             cpu[f"{name} {variant}"].append(used)
-            assert gw.violation is None and all(c.status == 200 for c in [*gw.calls, *old.calls])
+        child.stdin.close()
+        assert child.wait(timeout=30) == 0, "the gateways' process failed"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
     return times, cpu
 
 
 def table(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> list[str]:
     """One row per call and gateway variant; the overhead is per pair with the direct call of that round."""
     lines = ["| call | gateway | direct p50 ms | via gateway p50 ms | overhead p50 ms | overhead p90 ms "
-             "| overhead p99 ms | overhead p50 % | CPU direct ms (mean) | CPU via gateway ms (mean) |",
+             "| overhead p99 ms | overhead p50 % | gateway CPU ms p50 | gateway CPU ms mean |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     calls = dict.fromkeys(k.split(" ", 1)[0] for k in times)
     for name in calls:
@@ -128,11 +171,12 @@ def table(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> list[st
                 continue
             over = [g - d for g, d in zip(via, direct, strict=True)]
             o50 = statistics.median(over)
-            label = "before (Nagle on)" if variant.endswith("(Nagle)") else "now"
+            used = cpu[f"{name} {variant}"]
+            label = "before (httpx hop)" if variant.endswith("(httpx hop)") else "now"
             lines.append(f"| {name} | {label} | {d50 * 1000:.2f} | {statistics.median(via) * 1000:.2f} | "
                          f"{o50 * 1000:.2f} | {_pct(over, 0.90) * 1000:.2f} | {_pct(over, 0.99) * 1000:.2f} | "
-                         f"{100 * o50 / d50:.1f} | {statistics.mean(cpu[f'{name} direct']) * 1000:.2f} | "
-                         f"{statistics.mean(cpu[f'{name} {variant}']) * 1000:.2f} |")
+                         f"{100 * o50 / d50:.1f} | {statistics.median(used) * 1000:.2f} | "
+                         f"{statistics.mean(used) * 1000:.2f} |")
     return lines
 
 
@@ -140,7 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200, help="measured calls per variant (default 200)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens per call (default 8)")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the gateways' process
     args = parser.parse_args(argv or [])
+    if args.serve:
+        router, key = json.loads(sys.stdin.readline())
+        asyncio.run(_serve(router, key))
+        return
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         fleet = start_fleet(Path(tmp))
@@ -151,3 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.calls} calls per variant, max_new_tokens {args.max_new_tokens}, {os.cpu_count()} CPUs, "
           f"load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print("\n".join(table(times, cpu)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -16,11 +16,16 @@ Contract:
   same bound, 503 backoff and abort retries; a non-200 reply is returned as it came (status, JSON or
   text); a 200 reply must be JSON and name `expected` (`check_reply_version`), else
   `GenerateRejected` / `WeightVersionMismatch`. `expected=None` (e.g. `GET /v1/models`) checks none.
+  `send=` (a `Sender`) carries the exchange instead of the httpx client (the point gateway's lean
+  keep-alive client) to an `http://` router (an `https://` one keeps httpx); its transport failures
+  (`OSError`) are `FleetError` as httpx's are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -29,6 +34,9 @@ from pydantic import ValidationError
 from pinned_eval.fleet.engine_api import bearer
 from pinned_eval.fleet.errors import FleetError, GenerateRejected, GenerationAborted, WeightVersionMismatch
 from pinned_eval.fleet.models import GenerateResult, SamplingParams, normalize_url
+
+Sender = Callable[[str, str, bytes | None, dict[str, str]], Awaitable[tuple[int, bytes]]]
+"""`(method, url, JSON body bytes or None, headers) -> (status, reply bytes)`; raises `OSError`."""
 
 
 def build_generate_body(
@@ -175,7 +183,8 @@ class RouterGenerator:
                 return result
 
     async def forward(
-        self, method: str, path: str, body: dict[str, Any] | None, expected_version: str | None
+        self, method: str, path: str, body: dict[str, Any] | None, expected_version: str | None,
+        *, send: Sender | None = None,
     ) -> tuple[int, Any]:
         """A caller's own request (see the module docstring): (status, parsed reply)."""
         body = dict(body) if body is not None else None
@@ -186,23 +195,20 @@ class RouterGenerator:
                 if isinstance(rid, str) and sent and body is not None:
                     body["rid"] = f"{rid}.retry{sent}"
                 sent += 1
-                try:
-                    resp = await self._http.request(method, f"{self.url}{path}", json=body, headers=self._headers)
-                except httpx.TransportError as exc:
-                    raise FleetError(f"router {self.url} unreachable: {exc!r}") from exc
-                if resp.status_code == 503 and unavailable < self.unavailable_retries:
+                status, raw = await self._exchange(method, path, body, send)
+                if status == 503 and unavailable < self.unavailable_retries:
                     unavailable += 1
                     await asyncio.sleep(min(0.5 * 2 ** (unavailable - 1), 4.0))
                     continue
                 try:
-                    payload = resp.json()
+                    payload = json.loads(raw)
                 except ValueError:
-                    if resp.status_code == 200:
-                        raise GenerateRejected(self.url, 200, f"{path} reply is not JSON: {resp.text[:200]!r}") \
-                            from None
-                    return resp.status_code, resp.text
-                if resp.status_code != 200 or expected_version is None:
-                    return resp.status_code, payload
+                    text = raw.decode("utf-8", "replace")
+                    if status == 200:
+                        raise GenerateRejected(self.url, 200, f"{path} reply is not JSON: {text[:200]!r}") from None
+                    return status, text
+                if status != 200 or expected_version is None:
+                    return status, payload
                 if reply_aborted(payload):
                     aborts += 1
                     if aborts > self.abort_retries:
@@ -211,3 +217,23 @@ class RouterGenerator:
                     continue
                 check_reply_version(payload, expected_version)
                 return 200, payload
+
+    async def _exchange(
+        self, method: str, path: str, body: dict[str, Any] | None, send: Sender | None
+    ) -> tuple[int, bytes]:
+        """One request of `forward`: (status, reply bytes); a transport failure is `FleetError`."""
+        content = None if body is None else json.dumps(
+            body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        try:
+            if send is not None and self.url.startswith("http://"):  # TLS stays with httpx
+                return await send(method, f"{self.url}{path}", content, self._headers)
+            headers = self._headers if content is None else {**self._headers, "Content-Type": "application/json"}
+            resp = await self._http.request(method, f"{self.url}{path}", content=content, headers=headers)
+            return resp.status_code, resp.content
+        except (httpx.TransportError, OSError) as exc:
+            raise FleetError(f"router {self.url} unreachable: {exc!r}") from exc
+
+    @property
+    def request_timeout_s(self) -> float | None:
+        """The read timeout of the router client (a `send=` carrier uses the same)."""
+        return self._http.timeout.read

@@ -11,7 +11,10 @@ Contract:
   `/sessions/{id}/v1/completions` (`open_sample(key)` gives `<base_url>/sessions/<id>`, an OpenAI
   base URL; an unknown id is 404). On top-level routes the header `X-SMG-Routing-Key` names the
   sample instead. Only the JSON body goes on (no header of the caller): the session adds the fleet's
-  key, bounds concurrency, retries aborts and checks the weight version of every reply.
+  key, bounds concurrency, retries aborts and checks the weight version of every reply. The second
+  hop goes over the gateway's own keep-alive client (`Upstream`, `send=`), not the point's httpx
+  client; requests are parsed by uvicorn's httptools protocol (llhttp), not h11, and routed by a
+  bare ASGI app (`pinned_eval.gateway.asgi`), not Starlette.
 - `DELETE /sessions/{id}` closes that sample's session early (200 `{id, closed: true, calls}`):
   every later call of the sample (its session routes, or the header naming it) is 404 "session
   closed", and so is a second DELETE; calls admitted before the close finish and are recorded, so
@@ -46,14 +49,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from pinned_eval.fleet.errors import FleetError, GenerateRejected, WeightVersionMismatch
+from pinned_eval.fleet.generate import Sender
+from pinned_eval.gateway.asgi import App, JSONResponse, Request, Response, Route
 from pinned_eval.gateway.limits import AgentBudgetExceeded, GatewayLimits, SampleLimitExceeded
 from pinned_eval.gateway.records import CallRecord, SampleState, transcript_entry
+from pinned_eval.gateway.upstream import Upstream
 from pinned_eval.rollout.session import PointSession
 
 __all__ = ["MAX_BODY", "PointGateway"]
@@ -98,6 +100,8 @@ def _error(status: int, message: str) -> JSONResponse:
 class PointGateway:
     """One point's model gateway (see the module docstring)."""
 
+    _http = "httptools"  # uvicorn's HTTP protocol (the parser of user code's requests)
+
     def __init__(self, session: PointSession, limits: GatewayLimits) -> None:
         self.session = session
         self.limits = limits
@@ -113,14 +117,16 @@ class PointGateway:
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
-        self._app = Starlette(routes=self._routes())
+        self._upstream = Upstream(timeout_s=session.request_timeout_s)
+        self._send: Sender | None = self._upstream.send  # None: the point's httpx client carries it
+        self._app = App(self._routes())
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> PointGateway:
         sock = self._listener()
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app, lifespan="off", log_level="warning", access_log=False,
-                                proxy_headers=False, server_header=False, date_header=False,
+        config = uvicorn.Config(self._app, http=self._http, lifespan="off", log_level="warning",
+                                access_log=False, proxy_headers=False, server_header=False, date_header=False,
                                 timeout_graceful_shutdown=1)
         self._server = server = _Server(config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -151,6 +157,7 @@ class PointGateway:
             await self._task
         if self._sock is not None:
             self._sock.close()
+        await self._upstream.aclose()
         self._server, self._task, self._sock = None, None, None
 
     # -- samples ---------------------------------------------------------------------------
@@ -206,7 +213,8 @@ class PointGateway:
                 record.error = "missing or wrong bearer token for this point's gateway"
                 return _error(401, record.error)
             try:
-                record.status, payload = await self.session.forward("GET", "/v1/models", None, rid="models")
+                record.status, payload = await self.session.forward("GET", "/v1/models", None, rid="models",
+                                                                    send=self._send)
             except (FleetError, OSError) as exc:
                 record.status, record.error = 502, f"the fleet did not answer /v1/models: {exc}"
                 return _error(502, record.error)
@@ -276,7 +284,7 @@ class PointGateway:
         left = self._wall_left(state)
         try:
             async with asyncio.timeout(left):
-                return await self.session.forward("POST", path, body, rid=rid)
+                return await self.session.forward("POST", path, body, rid=rid, send=self._send)
         except TimeoutError:
             assert state is not None
             raise self._sample_breach(state, "sample_wall_s", self.limits.sample_wall_s or 0) from None

@@ -19,7 +19,8 @@ Contract:
   `/v1/...` requests) through `RouterGenerator.forward` — same bound, abort retries, version check
   (none for GETs); a single-prompt `/generate` body gets the rid `<rid_prefix>-<rid>` and, in adapter
   mode, `lora_path`; a POST is counted like `generate` (a request, and a 200 reply's tokens from
-  `meta_info` or `usage`); a GET counts nothing.
+  `meta_info` or `usage`); a GET counts nothing. `send=` carries the exchange (the gateway's lean
+  client, `RouterGenerator.forward`'s `send`).
 This module imports no Prefect.
 """
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pinned_eval.fleet.generate import RouterGenerator, build_generate_body
+from pinned_eval.fleet.generate import RouterGenerator, Sender, build_generate_body
 from pinned_eval.fleet.models import GenerateResult, SamplingParams
 
 __all__ = ["PointSession", "SessionCounters", "reply_tokens"]
@@ -69,6 +70,11 @@ class PointSession:
         return self._generator.max_concurrency
 
     @property
+    def request_timeout_s(self) -> float | None:
+        """The router client's read timeout (the gateway's own client to the router uses it too)."""
+        return self._generator.request_timeout_s
+
+    @property
     def abort_retries(self) -> int:
         """How often an aborted request is sent again (fresh rid) before `GenerationAborted`."""
         return self._generator.abort_retries
@@ -96,7 +102,9 @@ class PointSession:
         self.counters.completion_tokens += result.meta_info.completion_tokens
         return result
 
-    async def forward(self, method: str, path: str, body: dict[str, Any] | None, *, rid: str) -> tuple[int, Any]:
+    async def forward(
+        self, method: str, path: str, body: dict[str, Any] | None, *, rid: str, send: Sender | None = None
+    ) -> tuple[int, Any]:
         """A caller's own request as the pin contract says (see the module docstring): (status, reply)."""
         if body is not None and path == "/generate":
             body = dict(body)
@@ -107,7 +115,7 @@ class PointSession:
         if method == "POST":  # a model call; `GET /v1/models` is not one
             self.counters.requests += 1
         status, payload = await self._generator.forward(
-            method, path, body, self.expected_version if method == "POST" else None
+            method, path, body, self.expected_version if method == "POST" else None, send=send
         )
         if status == 200 and method == "POST":
             prompt, completion = reply_tokens(payload)

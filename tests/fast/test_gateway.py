@@ -292,7 +292,8 @@ def test_limits_are_strict() -> None:
 
 
 class _BrokenSession(PointSession):
-    async def forward(self, method: str, path: str, body: dict[str, Any] | None, *, rid: str) -> tuple[int, Any]:
+    async def forward(self, method: str, path: str, body: dict[str, Any] | None, *, rid: str,
+                      send: Any = None) -> tuple[int, Any]:
         raise ValueError("injected fault")
 
 
