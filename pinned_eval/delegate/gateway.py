@@ -11,9 +11,8 @@ This module imports no Prefect.
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from pinned_eval.gateway import GatewayLimits, PointGateway
+from pinned_eval.gateway.asgi import ASGIApp, Receive, Scope, Send
 from pinned_eval.rollout.session import PointSession
 
 __all__ = ["PREFIX", "UrlTokenGateway"]
@@ -43,7 +42,7 @@ class UrlTokenGateway(PointGateway):
 
     def __init__(self, session: PointSession, limits: GatewayLimits) -> None:
         super().__init__(session, limits)
-        self._app.add_middleware(_TokenInPath)
+        self._app = _TokenInPath(self._app)
 
     async def __aenter__(self) -> UrlTokenGateway:
         await super().__aenter__()

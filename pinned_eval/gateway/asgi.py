@@ -19,11 +19,12 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["App", "JSONResponse", "Request", "Response", "Route"]
+__all__ = ["ASGIApp", "App", "JSONResponse", "Receive", "Request", "Response", "Route", "Scope", "Send"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Request:

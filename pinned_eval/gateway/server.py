@@ -52,7 +52,7 @@ import uvicorn
 
 from pinned_eval.fleet.errors import FleetError, GenerateRejected, WeightVersionMismatch
 from pinned_eval.fleet.generate import Sender
-from pinned_eval.gateway.asgi import App, JSONResponse, Request, Response, Route
+from pinned_eval.gateway.asgi import App, ASGIApp, JSONResponse, Request, Response, Route
 from pinned_eval.gateway.limits import AgentBudgetExceeded, GatewayLimits, SampleLimitExceeded
 from pinned_eval.gateway.records import CallRecord, SampleState, transcript_entry
 from pinned_eval.gateway.upstream import Upstream
@@ -119,7 +119,7 @@ class PointGateway:
         self._sock: socket.socket | None = None
         self._upstream = Upstream(timeout_s=session.request_timeout_s)
         self._send: Sender | None = self._upstream.send  # None: the point's httpx client carries it
-        self._app = App(self._routes())
+        self._app: ASGIApp = App(self._routes())  # a subclass may wrap it (pinned_eval.delegate.gateway)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> PointGateway:
