@@ -169,14 +169,20 @@ class FunctionRollout:
             async with (AgentRunner(init, memory_bytes=self.memory_bytes, python=python) as runner,
                         httpx.AsyncClient(headers={"Authorization": f"Bearer {gateway.token}"}, timeout=30) as http):
 
-                async def close_session(url: str) -> None:
+                async def close_session(url: str, where: str) -> None:
                     """The sample is done: no later call of it is admitted (see the module docstring)."""
-                    reply = await http.delete(url)
-                    if reply.status_code != 200:
-                        raise RuntimeError(f"the gateway did not close session {url}: {reply.status_code} {reply.text}")
+                    try:
+                        reply = await http.delete(url)
+                        why = None if reply.status_code == 200 else f"{reply.status_code} {reply.text[:300]}"
+                    except httpx.HTTPError as exc:
+                        why = f"{type(exc).__name__}: {exc}"
+                    if why is not None:
+                        raise EvalSkipped(SkipReason.AGENT_ERROR,
+                                          f"{where}: the gateway did not close its session: {why}")
 
                 async def produce(ds: ResolvedDataset, row: EvalSample, j: int) -> list[Sample]:
                     key = f"{ds.name}-{row.index}-{j}"
+                    where = f"dataset {ds.name!r} sample {row.index} (j={j})"
                     session_url = gateway.open_sample(key)
                     params = {**sampling(ds, seed=row.index * 1000 + j), **MILES_SAMPLING,
                               "stop": list(ds.stop) or None}
@@ -197,7 +203,7 @@ class FunctionRollout:
                     try:
                         records = await runner.generate(request, self.sample_timeout_s or ds.agent_sample_timeout_s)
                     except AgentError as exc:
-                        await close_session(session_url)
+                        await close_session(session_url, where)
                         if gateway.violation is not None:
                             raise gateway.violation from exc
                         breach = gateway.sample_breaches.get(key)
@@ -206,7 +212,7 @@ class FunctionRollout:
                             SkipReason.AGENT_ERROR,
                             f"dataset {ds.name!r} sample {row.index} (j={j}): {exc.type}: {exc.message}"[:900] + why,
                         ) from None
-                    await close_session(session_url)
+                    await close_session(session_url, where)
                     if gateway.violation is not None:
                         raise gateway.violation
                     return [_sample(ds, row, j, rec, gateway.transcript(key)) for rec in records]
