@@ -26,6 +26,9 @@ Contract:
   gateway's transcript of the sample (calls made in its session or naming its routing key) is
   kept as `messages` and counted as `turns`; an agent function's sample (miles' hub
   `agentic_tool_call`) takes its response, status and weight versions from the last reply there.
+  Once the runner answers for a sample (its result or its error), its session is closed
+  (`DELETE /sessions/{id}` on the gateway) before the transcript is read: a task the user code
+  left running can add no call to a finished sample (every later call of it is refused, 404).
 - the runner's import roots: the constructor's `python_path`, then the datasets' (`python_path`,
   by default the YAML's directory: the roots the suite-load check used), each checked by
   `pinned_eval.agentic.imports.check_import_roots`; its interpreter the datasets' `miles_python`
@@ -47,6 +50,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+import httpx
 
 from pinned_eval.agentic.client import AgentError, AgentRunner
 from pinned_eval.agentic.imports import check_import_roots, check_interpreter, runner_settings
@@ -161,10 +166,24 @@ class FunctionRollout:
                 "gateway": {"base_url": gateway.base_url, "token": gateway.token},
                 "python_path": roots,
             }
-            async with AgentRunner(init, memory_bytes=self.memory_bytes, python=python) as runner:
+            async with (AgentRunner(init, memory_bytes=self.memory_bytes, python=python) as runner,
+                        httpx.AsyncClient(headers={"Authorization": f"Bearer {gateway.token}"}, timeout=30) as http):
+
+                async def close_session(url: str, where: str) -> None:
+                    """The sample is done: no later call of it is admitted (see the module docstring)."""
+                    try:
+                        reply = await http.delete(url)
+                        why = None if reply.status_code == 200 else f"{reply.status_code} {reply.text[:300]}"
+                    except httpx.HTTPError as exc:
+                        why = f"{type(exc).__name__}: {exc}"
+                    if why is not None:
+                        raise EvalSkipped(SkipReason.AGENT_ERROR,
+                                          f"{where}: the gateway did not close its session: {why}")
 
                 async def produce(ds: ResolvedDataset, row: EvalSample, j: int) -> list[Sample]:
                     key = f"{ds.name}-{row.index}-{j}"
+                    where = f"dataset {ds.name!r} sample {row.index} (j={j})"
+                    session_url = gateway.open_sample(key)
                     params = {**sampling(ds, seed=row.index * 1000 + j), **MILES_SAMPLING,
                               "stop": list(ds.stop) or None}
                     request = {
@@ -176,7 +195,7 @@ class FunctionRollout:
                             "label": row.label,
                             "metadata": dict(row.metadata),
                             "routing_key": key,
-                            "session_url": gateway.open_sample(key),
+                            "session_url": session_url,
                         },
                         "sampling_params": params,
                         "reward": ds.reward,
@@ -184,6 +203,7 @@ class FunctionRollout:
                     try:
                         records = await runner.generate(request, self.sample_timeout_s or ds.agent_sample_timeout_s)
                     except AgentError as exc:
+                        await close_session(session_url, where)
                         if gateway.violation is not None:
                             raise gateway.violation from exc
                         breach = gateway.sample_breaches.get(key)
@@ -192,6 +212,7 @@ class FunctionRollout:
                             SkipReason.AGENT_ERROR,
                             f"dataset {ds.name!r} sample {row.index} (j={j}): {exc.type}: {exc.message}"[:900] + why,
                         ) from None
+                    await close_session(session_url, where)
                     if gateway.violation is not None:
                         raise gateway.violation
                     return [_sample(ds, row, j, rec, gateway.transcript(key)) for rec in records]

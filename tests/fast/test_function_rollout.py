@@ -158,3 +158,46 @@ def test_the_runner_dies_with_its_parent(tmp_path: Path) -> None:
     with contextlib.suppress(psutil.NoSuchProcess):  # already gone
         psutil.Process(pid).wait(timeout=10)  # SIGKILLed by the kernel when its parent died
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_finished_sample_s_session_is_closed_so_a_lingering_call_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The function returns, leaving a task that calls the model for its sample afterwards: the
+    rollout closed the sample's session, so the call is refused and the transcript stays as it was."""
+    import pinned_eval.gateway as gateway_mod
+
+    gateways: list = []
+    enter = gateway_mod.PointGateway.__aenter__
+
+    async def capture(self):  # type: ignore[no-untyped-def]
+        gateways.append(self)
+        return await enter(self)
+
+    monkeypatch.setattr(gateway_mod.PointGateway, "__aenter__", capture)
+    go, out = tmp_path / "go", tmp_path / "out"
+    ds = _ds("lingers.generate")
+    row = EvalSample(0, "p0", "1", {"go": str(go), "out": str(out)})
+    async with httpx.AsyncClient() as http:
+        session = PointSession(RouterGenerator(http, f"http://127.0.0.1:{free_port()}", api_key="k"),
+                               expected_version="5", rid_prefix="p5")
+        async with FunctionRollout(python_path=[FIXTURES]).open(session, [ds], {ds.name: [row]}) as produce:
+            [sample] = await produce(ds, row, 0)
+            [gateway] = gateways
+            assert (sample.response, sample.status, sample.messages) == ("done", "completed", None)
+            assert gateway.closed("agentic-0-0") and gateway.transcript("agentic-0-0") == []
+            go.write_text("")
+            await _until(out.exists)
+            assert out.read_text() == ("404 session closed: DELETE /sessions/{id} ended sample 'agentic-0-0'; "
+                                       "its transcript is final")
+            assert gateway.transcript("agentic-0-0") == []
+            assert session.counters.requests == 0  # nothing reached the fleet
+
+
+async def _until(condition, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)

@@ -123,3 +123,24 @@ async def test_post_is_bounded_and_adds_the_token_only_to_the_gateway(
         set_gateway_auth("http://127.0.0.1:1", "")
     assert seen == [("/ok", "Bearer tok"), ("/bad", "Bearer tok")] + [("/down", "Bearer tok")] * RETRY_CAP + [
         ("/ok", None)]
+
+
+def test_generate_state_loads_the_tokenizer_on_first_use(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A function that never reads `state.tokenizer` does not import transformers (seconds in a
+    fresh runner); the first read loads the pinned snapshot's tokenizer; no checkpoint -> None."""
+    from engine.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", chat_template="chatml")
+    out = _in_subprocess(
+        "import sys, types\n"
+        "from pinned_eval.agentic import compat; assert compat.install()\n"
+        "from miles.rollout.sglang_rollout import GenerateState\n"
+        f"state = GenerateState(types.SimpleNamespace(hf_checkpoint={str(model)!r}, sglang_server_concurrency=2))\n"
+        "before = 'transformers' in sys.modules\n"
+        "ids = state.tokenizer.encode('hello', add_special_tokens=False)\n"
+        "print(before, 'transformers' in sys.modules, GenerateState() is state, state.tokenizer is state.tokenizer, "
+        "len(ids) > 0)\n"
+        "GenerateState._instance = None\n"
+        "print(GenerateState(types.SimpleNamespace()).tokenizer)\n"
+    )
+    assert out.splitlines() == ["False True True True True", "None"]

@@ -3,6 +3,9 @@
 `GenerateState(args)` is a process singleton as in miles (the first `args` wins): `args`,
 `tokenizer` (the pinned snapshot's, from `args.hf_checkpoint`; None without one), `processor`
 (None), `sampling_params` (the rollout defaults) and `generate_fn_semaphore`.
+`tokenizer` is loaded on first use, not when the state is made (miles loads it eagerly): loading
+it imports `transformers` (and torch), seconds in a fresh runner, which a function that never
+reads it (an agent function over chat completions) does not pay (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import asyncio
 from typing import Any
 
 __all__ = ["GenerateState"]
+
+_UNLOADED = object()
 
 
 class GenerateState:
@@ -26,12 +31,7 @@ class GenerateState:
     def _init(self, args: Any) -> None:
         self.args = args
         self.processor = None
-        self.tokenizer = None
-        checkpoint = getattr(args, "hf_checkpoint", None)
-        if checkpoint:
-            from pinned_eval.prompts import load_tokenizer
-
-            self.tokenizer = load_tokenizer(checkpoint)
+        self._tokenizer: Any = _UNLOADED
         self.generate_fn_semaphore = asyncio.Semaphore(max(1, int(getattr(args, "sglang_server_concurrency", 1) or 1)))
         self.sampling_params: dict[str, Any] = {
             "temperature": getattr(args, "rollout_temperature", 1.0),
@@ -45,3 +45,20 @@ class GenerateState:
 
     def __init__(self, args: Any = None) -> None:  # state is set once, in __new__
         return None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The pinned snapshot's tokenizer, loaded on first use (None without `hf_checkpoint`)."""
+        if self._tokenizer is _UNLOADED:
+            checkpoint = getattr(self.args, "hf_checkpoint", None)
+            if checkpoint:
+                from pinned_eval.prompts import load_tokenizer
+
+                self._tokenizer = load_tokenizer(checkpoint)
+            else:
+                self._tokenizer = None
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value: Any) -> None:  # miles code may set its own
+        self._tokenizer = value
