@@ -6,8 +6,10 @@ model are session-scoped; every test gets its own run name, staging root and JSO
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +85,33 @@ def cpu_fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield CpuFleet.of(fleet)
     finally:
         fleet.stop()
+
+
+@contextmanager
+def scripted_fleet(model: Path, rules: list[dict[str, str]], *, engines: int = 2, weight_version: str = "0",
+                   **engine_kw: object) -> Iterator[LaunchedFleet]:
+    """`engines` CPU engines answering by `rules` (`--scripted-completions`) behind a router,
+    launched from `model`'s directory (logs, state file beside it) and stopped on exit."""
+    from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
+    from pinned_eval.fleet.keys import FleetKeys
+    from pinned_eval.fleet.launcher import launch_fleet
+    from tests.conftest import free_port
+
+    (model.parent / "rules.json").write_text(json.dumps(rules))
+    keys = FleetKeys.resolve()
+    specs = [
+        engine_spec(CpuEngineArgs(model_path=str(model), port=free_port(), weight_version=weight_version,
+                                  api_key=keys.api, admin_api_key=keys.admin,
+                                  scripted_completions=str(model.parent / "rules.json"), **engine_kw),  # type: ignore[arg-type]
+                    env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+        for _ in range(engines)
+    ]
+    launched = launch_fleet(specs, log_dir=model.parent / "logs", state_file=model.parent / "fleet.json", keys=keys,
+                            ready_timeout_s=120)
+    try:
+        yield launched
+    finally:
+        launched.stop()
 
 
 def write_step_snapshot(base: Path, dest: str, *, scale: float = 0.0, seed: int = 0) -> str:

@@ -31,19 +31,16 @@ import pytest
 from blocks import FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.datasets.loader import load_dataset
-from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
 from pinned_eval.fleet.errors import WeightVersionMismatch
 from pinned_eval.fleet.generate import RouterGenerator
-from pinned_eval.fleet.keys import FleetKeys
-from pinned_eval.fleet.launcher import LaunchedFleet, launch_fleet
+from pinned_eval.fleet.launcher import LaunchedFleet
 from pinned_eval.results.store import SAMPLES
 from pinned_eval.rollout import PointSession, Sample, run_rollouts
 from pinned_eval.rollout.lm_eval import lm_eval_metrics
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import DatasetSpec, EvalSuite
-from tests.conftest import free_port
-from tests.pointkit import PointEnv, save_point_blocks, write_step_snapshot
+from tests.pointkit import PointEnv, save_point_blocks, scripted_fleet, write_step_snapshot
 
 pytestmark = pytest.mark.e2e
 TASKS = Path(__file__).parent.parent / "data" / "lm_eval_tasks"
@@ -74,21 +71,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(model: Path) -> Iterator[LaunchedFleet]:
-    rules = model.parent / "rules.json"
-    rules.write_text(json.dumps(RULES))
-    keys = FleetKeys.resolve()
-    specs = [
-        engine_spec(CpuEngineArgs(model_path=str(model), port=free_port(), weight_version="0", api_key=keys.api,
-                                  admin_api_key=keys.admin, scripted_completions=str(rules)),
-                    env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-        for _ in range(2)
-    ]
-    launched = launch_fleet(specs, log_dir=model.parent / "logs", state_file=model.parent / "fleet.json", keys=keys,
-                            ready_timeout_s=120)
-    try:
+    with scripted_fleet(model, RULES) as launched:
         yield launched
-    finally:
-        launched.stop()
 
 
 def _env(tmp_path: Path, fleet: LaunchedFleet, suite: EvalSuite) -> PointEnv:
