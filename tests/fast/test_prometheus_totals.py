@@ -163,3 +163,17 @@ def test_a_corrupt_totals_file_loses_no_event(root: Path, caplog: pytest.LogCapt
     after = counts(root)
     assert (after["pinned_eval_points_total/skipped/busy/exp"], after["pinned_eval_points_total/measured//exp"],
             after["pinned_eval_pin_duration_seconds_count/fleet"]) == (1.0, 1.0, 1.0)
+
+
+def test_a_totals_file_that_is_a_symlink_is_never_followed(root: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('{"version": 1, "points": [["exp", "measured", "", 1000]]}')
+    os.symlink(elsewhere, root / "totals.json")
+    record(1)
+    with caplog.at_level(logging.ERROR, logger="pinned_eval.prometheus"):
+        families = [f.name for f in prom.PointMetricsCollector(root).collect()]
+    assert families == ["pinned_eval_points_in_flight"]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "unreadable: [Errno 40] Too many levels of symbolic links" in line
+    assert len(os.listdir(root / "events")) == 2 and elsewhere.read_text().endswith("1000]]}")
