@@ -6,8 +6,10 @@ and one outcome event: 3 small private files written and renamed, one removed. M
 exactly as a point calls them, in a fresh 0700 directory on the same disk as the temp directory,
 side by side with the point's JSONL ledger write (`Ledger.write_point` of a 2-dataset point,
 which every point makes), alternating. Then the worker's side: a scrape (the collector's
-`collect()`, as the endpoint calls it) after N events, first (every event read, as after a
-worker restart) and again with 10 new events (only the new ones read).
+`collect()`, as the endpoint calls it) after N events, first (every event read and folded into
+the totals file, as for a directory written before folding existed), 5 times more with 10 new events each, from
+a new collector (a restarted worker) with 10 more, and once with none new: only the new events
+and the totals are read.
 
 `python -m bench prometheus_cost [--points N] [--events N ...]`
 """
@@ -82,10 +84,19 @@ def main(argv: list[str] | None = None) -> None:
                                  10.0 + i % 50)
             collector = prom.PointMetricsCollector(Path(tmp) / f"m{n}")
             first = _scrape(collector)
+            nexts = []
+            for _ in range(5):
+                for _ in range(10):
+                    prom.point_ended("run0", "measured", "", 5.0)
+                nexts.append(_scrape(collector))
             for _ in range(10):
                 prom.point_ended("run0", "measured", "", 5.0)
-            again = _scrape(collector)
-            print(f"scrape after {n} events: first {first * 1e3:.1f} ms, next (10 new) {again * 1e3:.2f} ms")
+            restarted = _scrape(prom.PointMetricsCollector(Path(tmp) / f"m{n}"))
+            idle = _scrape(collector)
+            left = len(os.listdir(Path(tmp) / f"m{n}" / prom.EVENTS))
+            print(f"scrape after {n} events: first {first * 1e3:.1f} ms; next 5 (10 new each) "
+                  f"{', '.join(f'{x * 1e3:.1f}' for x in nexts)} ms; after a restart (10 new) "
+                  f"{restarted * 1e3:.1f} ms; none new {idle * 1e3:.1f} ms; event files left {left}")
         os.environ.pop(prom.METRICS_DIR_ENV, None)
 
 

@@ -7,7 +7,9 @@ folds them into metrics at each scrape (`PointMetricsCollector`):
 
 - `events/<ns>-<pid>-<n>.json`: one per point outcome (run, outcome, reason, seconds) or pin
   (fleet, seconds), written to a `.tmp-` name then renamed, so a scrape never reads half a file;
-  never rewritten, so counts are exact and survive a worker restart (the directory stays);
+  never rewritten; the next scrape sums it into `totals.json` and removes it, crash-safe
+  (`pinned_eval.prometheus_totals`), so counts are exact and survive a worker restart (the
+  directory stays) and a scrape reads only the events since the last one;
 - `inflight/<pid>-<n>.json`: one per point running now (its run), removed when it ends; the
   file of a process that died without removing it (SIGKILL) is dropped at the next scrape.
 
@@ -23,44 +25,34 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import os
 import re
 import stat
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Any
 
 from pinned_eval.processes import pid_alive
+from pinned_eval.prometheus_totals import (
+    EVENTS,
+    PIN_BUCKETS,
+    POINT_BUCKETS,
+    Outcome,
+    PointEvent,
+    TotalsUnreadableError,
+    fold,
+)
 from pinned_eval.trusted_paths import UntrustedPathError, make_private_dirs
 
 log = logging.getLogger(__name__)
 METRICS_DIR_ENV = "PINNED_EVAL_METRICS_DIR"
-EVENTS, INFLIGHT = "events", "inflight"
-Outcome = Literal["measured", "skipped", "failed"]
-# Buckets (seconds): a point takes minutes to an hour; a pin seconds to minutes.
-POINT_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, math.inf)
-PIN_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, math.inf)
+INFLIGHT = "inflight"
+__all__ = ["EVENTS", "INFLIGHT", "PIN_BUCKETS", "POINT_BUCKETS", "InFlight", "Outcome", "PointEvent",
+           "PointMetricsCollector", "pin_timed", "point_ended", "private_metrics_dir", "serve_metrics"]
 _NAME = re.compile(r"^(\d+)-(\d+)\.json$")  # inflight/<pid>-<n>.json
 _seq = itertools.count()
-
-
-class PointEvent(BaseModel):
-    """One recorded fact: a point's outcome (`run`, `outcome`, `reason`) or a pin (`fleet`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["point", "pin"]
-    run: str = ""
-    outcome: Outcome | None = None
-    reason: str = ""
-    fleet: str = ""
-    seconds: float | None = None
 
 
 def private_metrics_dir(path: str | Path) -> Path:
@@ -144,67 +136,18 @@ def pin_timed(fleet: str, seconds: float) -> None:
     _event(PointEvent(kind="pin", fleet=fleet, seconds=seconds))
 
 
-@dataclass
-class _Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        if not self.counts:
-            self.counts = [0] * len(self.buckets)
-        self.counts[next(i for i, b in enumerate(self.buckets) if value <= b)] += 1
-        self.total += value
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        return [(_le(b), float(c)) for b, c in zip(self.buckets, itertools.accumulate(self.counts), strict=True)]
-
-
-def _le(bound: float) -> str:
-    return "+Inf" if bound == math.inf else repr(bound)
-
-
-@dataclass
-class _Totals:
-    points: dict[tuple[str, str, str], int] = field(default_factory=dict)
-    durations: dict[tuple[str, str], _Histogram] = field(default_factory=dict)
-    pins: dict[str, _Histogram] = field(default_factory=dict)
-    unreadable: int = 0
-
-    def add(self, e: PointEvent) -> None:
-        if e.kind == "pin":
-            if e.seconds is not None:
-                self.pins.setdefault(e.fleet, _Histogram(PIN_BUCKETS)).observe(e.seconds)
-            return
-        outcome = e.outcome or "failed"
-        key = (e.run, outcome, e.reason)
-        self.points[key] = self.points.get(key, 0) + 1
-        if e.seconds is not None:
-            self.durations.setdefault((e.run, outcome), _Histogram(POINT_BUCKETS)).observe(e.seconds)
-
-
 class PointMetricsCollector:
-    """The worker's metrics, read from `root` at each scrape; events already read are kept in
-    memory, so a scrape reads only the new ones."""
+    """The worker's metrics, read from `root` at each scrape: the new event files are folded into
+    `root/totals.json` and removed (`pinned_eval.prometheus_totals`), so a scrape reads the totals
+    and the events since the last scrape, never the whole history."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = private_metrics_dir(root)
-        self._seen: set[str] = set()
-        self._totals = _Totals()
         self._lock = threading.Lock()
 
-    def _read_new(self) -> None:
-        for name in sorted(os.listdir(self.root / EVENTS)):
-            if name.startswith(".") or name in self._seen:
-                continue
-            self._seen.add(name)
-            try:
-                fd = os.open(self.root / EVENTS / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                with os.fdopen(fd, "rb") as f:
-                    self._totals.add(PointEvent.model_validate_json(f.read(65536)))
-            except (OSError, ValidationError) as exc:
-                self._totals.unreadable += 1
-                log.warning("prometheus metrics: event %s unreadable: %s", name, exc)
+    @staticmethod
+    def _unreadable(name: str, exc: Exception) -> None:
+        log.warning("prometheus metrics: event %s unreadable: %s", name, exc)
 
     def in_flight(self) -> dict[str, int]:
         """Points running now, per run; files of dead processes are removed."""
@@ -229,8 +172,12 @@ class PointMetricsCollector:
 
         private_metrics_dir(self.root)  # still this user's alone, 0700
         with self._lock:
-            self._read_new()
-            totals = self._totals
+            try:
+                totals = fold(self.root, self._unreadable)
+            except (OSError, TotalsUnreadableError) as exc:  # nothing folded, nothing lost: one line, no traceback
+                log.error("prometheus metrics: scrape without point metrics: %s", exc)
+                totals = None
+        if totals is not None:
             points = CounterMetricFamily("pinned_eval_points", "Points that ended, by run, outcome and skip reason.",
                                          labels=["run", "outcome", "reason"])
             for (run, outcome, reason), n in sorted(totals.points.items()):

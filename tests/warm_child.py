@@ -2,7 +2,8 @@
 
 argv: `report` prints cwd, argv and `PINNED_EVAL_PROBE` from its environment, and `input()` echoed; `exit N`
 exits N; `sleep` prints `ready` and sleeps until signalled (default SIGTERM disposition); `env K...`
-prints a JSON object of those keys' values in its environment (null where unset).
+prints a JSON object of those keys' values in its environment (null where unset); `modules M...`
+prints a JSON list of those of M already imported (what the fork server preloaded).
 """
 
 import json
@@ -18,6 +19,8 @@ if __name__ == "__main__":
         print("to-stderr", file=sys.stderr, flush=True)
     elif command[0] == "env":
         print(json.dumps({key: os.environ.get(key) for key in command[1:]}), flush=True)
+    elif command[0] == "modules":
+        print(json.dumps([m for m in command[1:] if m in sys.modules]), flush=True)
     elif command[0] == "exit":
         sys.exit(int(command[1]))
     elif command[0] == "sleep":

@@ -2,9 +2,9 @@
 
 `python -m app.warm_start.server --socket PATH` (started beside the process worker by
 `app.stack.LocalStack.worker_up` / `pinned-eval worker`, stopped by PID with it). It imports
-`prefect`, `prefect.engine`, `prefect.flow_engine` and `flows.eval_point` before listening, with
-no thread and no event loop started, then for each connection of the thin client
-(`app/warm_start/client.py`):
+`prefect`, `prefect.engine`, `prefect.flow_engine`, `flows.eval_point` and the installed trackers'
+modules (W&B, MLflow, TensorBoard) before listening, with no thread and no event loop started,
+then for each connection of the thin client (`app/warm_start/client.py`):
 
 - forks a handler, which forks the flow-run process and reports `pid <N>`;
 - the flow-run process takes the client's stdio descriptors, working directory and environment,
@@ -69,13 +69,25 @@ def flow_run_env(server_env: dict[str, str], client_env: dict[str, str]) -> dict
 
 
 def _preload() -> None:
+    """Import `PRELOAD`, then the modules of every installed tracker (W&B, MLflow, TensorBoard:
+    `pinned_eval.sinks.extras.TRACKER_MODULES`), so a forked flow run that logs to one does not
+    import it again; a tracker that fails to import is one line on stderr and left to the flow run
+    (which reports it as that sink's error). No import may start a thread (forking would lose it)."""
     import importlib
+
+    from pinned_eval.sinks.extras import installed_tracker_modules
 
     for module in PRELOAD:
         importlib.import_module(module)
+    for module in installed_tracker_modules():
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a broken optional install must not stop the warm start
+            print(f"warm start: tracker module {module} not preloaded: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
     if threading.active_count() != 1:
         names = [t.name for t in threading.enumerate()]
-        raise RuntimeError(f"importing {PRELOAD} started threads {names}: forking would lose them")
+        raise RuntimeError(f"importing {PRELOAD} and the trackers started threads {names}: forking would lose them")
 
 
 def serve(path: Path) -> Request | None:

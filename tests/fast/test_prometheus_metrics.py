@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -75,7 +76,9 @@ def test_outcomes_and_pins_are_counted_exactly_with_their_histograms(endpoint: s
     prom.point_ended("exp", "measured", "", 1.0)
     again = scrape(endpoint)["pinned_eval_points"]
     assert again[0][2] == 3.0 and again[1:] == m["pinned_eval_points"][1:], "new events only, none twice"
-    assert len(os.listdir(metrics_dir / "events")) == 6, "one file per event, no temp file left"
+    assert os.listdir(metrics_dir / "events") == [], "every event folded into the totals and removed"
+    assert sorted(os.listdir(metrics_dir)) == ["events", "inflight", "totals.json", "totals.lock"], "no temp file"
+    assert stat.S_IMODE(os.stat(metrics_dir / "totals.json").st_mode) == 0o600
     restarted = {f.name: [(s.name, s.labels, s.value) for s in f.samples]  # a new worker, the same directory
                  for f in prom.PointMetricsCollector(metrics_dir).collect()}
     assert restarted["pinned_eval_points"] == scrape(endpoint)["pinned_eval_points"]

@@ -3,6 +3,7 @@ in for `prefect.engine`), and the client's cold-start fallback to the real `pyth
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -137,3 +138,26 @@ def test_wait_listening_names_a_server_that_exits_or_never_listens(tmp_path: Pat
     finally:
         idle.kill()
         idle.wait()
+
+
+def test_a_forked_flow_run_finds_the_installed_trackers_already_imported(fork_server: Path, tmp_path: Path) -> None:
+    from pinned_eval.sinks.extras import TRACKER_MODULES, installed_tracker_modules
+
+    every = [m for modules in TRACKER_MODULES.values() for m in modules]
+    assert installed_tracker_modules() == every, "the dev venv has every tracker extra"
+    env = dict(os.environ, **{SOCKET_ENV: str(fork_server)})
+    out, err = client(["modules", *every, "prefect.engine", "not_a_module"], env, tmp_path).communicate(timeout=60)
+    assert json.loads(out) == [*every, "prefect.engine"], err
+
+
+def test_a_tracker_that_fails_to_import_is_one_line_and_the_server_still_preloads() -> None:
+    code = ("from pinned_eval.sinks import extras; import sys\n"
+            "extras.TRACKER_MODULES['tensorboard'] = ('tensorboard.no_such_module', 'numpy')\n"
+            "from app.warm_start import server; server._preload()\n"
+            "print('tensorboard.no_such_module' in sys.modules, 'numpy' in sys.modules, 'mlflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "False True True\n"
+    assert out.stderr == ("warm start: tracker module tensorboard.no_such_module not preloaded: "
+                          "ModuleNotFoundError: No module named 'tensorboard.no_such_module'\n")
