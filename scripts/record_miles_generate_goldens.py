@@ -11,8 +11,16 @@ llama model, behind the real sglang-router; its retriever stub), and prints one 
 miles' import chain pulls in `ray` and `sglang` modules that these fixtures' code paths never
 call; without them installed, they are served as stubs that raise when called, and the script
 refuses to print anything if one was. `pybase64` (miles' endpoint utils) must be importable.
-The agent-function fixture needs miles' session server (sglang's OpenAI protocol and TITO), so
-it is not recorded here.
+
+The agent function over chat completions (`agentic_tool_call`) runs behind miles' own session
+server (`miles.rollout.session.server.SessionServer`, v1, on 127.0.0.1). It proxies to the engine
+itself, as behind miles' pass-through router: its token tracking needs SGLang's chat extensions
+(`input_ids`, `return_meta_info`), which the sglang-router drops
+(tests/e2e/test_engine_v1_contract.py). It imports sglang's OpenAI protocol models, which are real
+after `pip install --no-deps sglang` plus `pip install openai msgspec` (in a scratch venv); then
+only sglang's import-time `triton` / `zmq` / `IPython` and the modules of sglang's main branch the
+release lacks (SGLANG_NEWER) are stubs. The agent carries the fleet's key itself
+(`OPENAI_API_KEY`); the session server forwards it to the engine.
 """
 
 from __future__ import annotations
@@ -33,13 +41,21 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "miles_style"
 CALLED: list[str] = []
-# fixture, reward (pinned-eval's name), rows (prompt, label), max_new_tokens
-CASES: list[tuple[str, str, list[tuple[str, Any]], int]] = [
+AGENT = "miles.rollout.generate_hub.agentic_tool_call.generate"
+TOOLS = [{"type": "function", "function": {"name": "code_interpreter", "parameters": {"type": "object"}}}]
+# fixture, reward (pinned-eval's name), rows (prompt, label[, metadata]), max_new_tokens[, extra miles args]
+CASES: list[tuple[Any, ...]] = [
     ("search_r1_style.generate", "custom:search_r1_style.reward_func", [("Capital of France?", "Paris")], 48),
     ("multi_agent_style.generate_with_multi_agents", "math", [("3+4?", "7")], 48),
     ("echo_old.generate", "math", [("p0", "1"), ("p1", "2")], 1024),
     ("miles.rollout.generate_hub.single_turn.generate", "math", [("Capital of France?", "x")], 48),
+    (AGENT, "custom:agent_chat.reward_from_metadata", [("What is 2+2?", "4", {"tools": TOOLS})], 256,
+     {"custom_agent_function_path": "agent_chat.run_agent", "use_session_server": True}),
 ]
+# sglang's package imports these at import time; the protocol models the agent path uses never call them
+SGLANG_IMPORT_TIME = ("triton", "zmq", "IPython")
+# modules miles imports from sglang's main branch that the released sglang lacks (stubbed when missing)
+SGLANG_NEWER = ("sglang.srt.entrypoints.openai.encoding_dsv4",)
 
 
 class _Stub(types.ModuleType):
@@ -65,7 +81,7 @@ class _StubFinder:
         self.roots = roots
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name.split(".")[0] in self.roots:
+        if any(name == r or name.startswith(f"{r}.") for r in self.roots):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -112,7 +128,26 @@ def _args(model: Path, router: str, reward: str, max_new_tokens: int) -> argpars
     })
 
 
-async def _record(model: Path, router: str, api_key: str, miles_commit: str) -> list[dict[str, Any]]:
+def _session_server(args: argparse.Namespace, engine: str) -> tuple[Any, Any]:
+    """miles' own session server (v1) on 127.0.0.1, proxying to `engine`; returns (server, thread)."""
+    import threading
+
+    import uvicorn
+    from miles.rollout.session.server import SessionServer
+
+    config = uvicorn.Config(SessionServer(args, engine).app, host="127.0.0.1", port=args.session_server_ports[0],
+                            log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise SystemExit("miles' session server did not start")
+        thread.join(0.05)
+    return server, thread
+
+
+async def _record(model: Path, router: str, engine: str, api_key: str, miles_commit: str) -> list[dict[str, Any]]:
     from miles.rollout.inference_rollout.inference_rollout_common import (
         GenerateState,
         compute_sampling_params,
@@ -121,26 +156,44 @@ async def _record(model: Path, router: str, api_key: str, miles_commit: str) -> 
     from miles.utils import http_utils
     from miles.utils.types import Sample
 
+    from tests.conftest import free_port
+
     out = []
-    for fixture, reward, rows, max_new_tokens in CASES:
+    for fixture, reward, rows, max_new_tokens, *extra in CASES:
         args = _args(model, router, reward, max_new_tokens)
+        session = None
+        if extra:
+            vars(args).update(extra[0])
+        if args.use_session_server:
+            port = free_port()
+            vars(args).update(session_server_ip="127.0.0.1", session_server_ports=[port], session_server_port=port)
+            session = _session_server(args, engine)
+            os.environ["OPENAI_API_KEY"] = api_key
         http_utils._http_client = None
         http_utils.init_http_client(args)
         assert http_utils._http_client is not None
         http_utils._http_client.headers["Authorization"] = f"Bearer {api_key}"  # the fleet's key, as the gateway adds
         state = GenerateState(args)
         params = compute_sampling_params(args, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens)
-        for index, (prompt, label) in enumerate(rows):
-            sample = Sample(index=index, prompt=prompt, label=label, metadata={"rm_type": args.rm_type},
-                            generate_function_path=fixture)
-            got = await generate_and_rm(state, sample, sampling_params=params, evaluation=True)
-            samples = got if isinstance(got, list) else [got]
-            out.append({
-                "fixture": fixture, "reward": reward, "miles_commit": miles_commit, "prompt": prompt, "label": label,
-                "max_new_tokens": max_new_tokens,
-                "samples": [{"response": s.response, "status": s.status.value, "reward_value": s.reward,
-                             "weight_versions": list(s.weight_versions)} for s in samples],
-            })
+        try:
+            for index, (prompt, label, *row_metadata) in enumerate(rows):
+                metadata = {**(row_metadata[0] if row_metadata else {}), "rm_type": args.rm_type}
+                sample = Sample(index=index, prompt=prompt, label=label, metadata=metadata,
+                                generate_function_path=fixture)
+                got = await generate_and_rm(state, sample, sampling_params=params, evaluation=True)
+                samples = got if isinstance(got, list) else [got]
+                out.append({
+                    "fixture": fixture, "reward": reward, "miles_commit": miles_commit, "prompt": prompt,
+                    "label": label, "max_new_tokens": max_new_tokens,
+                    **({"metadata": row_metadata[0]} if row_metadata else {}),
+                    **({"miles_args": extra[0]} if extra else {}),
+                    "samples": [{"response": s.response, "status": s.status.value, "reward_value": s.reward,
+                                 "weight_versions": list(s.weight_versions)} for s in samples],
+                })
+        finally:
+            if session is not None:
+                session[0].should_exit = True
+                session[1].join()
     return out
 
 
@@ -152,7 +205,12 @@ def main() -> None:
     miles = str(Path(ns.miles).resolve())
     commit = ns.commit or subprocess.run(["git", "-C", miles, "rev-parse", "HEAD"], capture_output=True,
                                          text=True, check=True).stdout.strip()
-    sys.meta_path.insert(0, _StubFinder({r for r in ("ray", "sglang") if importlib.util.find_spec(r) is None}))
+    roots = {r for r in ("ray", "sglang", *SGLANG_IMPORT_TIME) if importlib.util.find_spec(r) is None}
+    if "sglang" in roots:
+        raise SystemExit("the agent-function case needs sglang's protocol models: pip install --no-deps sglang")
+    sglang_dir = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])  # type: ignore[union-attr]
+    roots |= {m for m in SGLANG_NEWER if not (sglang_dir.parent / f"{m.replace('.', '/')}.py").exists()}
+    sys.meta_path.insert(0, _StubFinder(roots))
     sys.path[:0] = [miles, str(FIXTURES)]
 
     sys.path.insert(0, str(REPO))
@@ -178,7 +236,7 @@ def main() -> None:
         os.environ["RETRIEVER_URL"] = f"http://127.0.0.1:{retriever.server_port}/retrieve"
         try:
             assert fleet.router_url is not None
-            lines = asyncio.run(_record(model, fleet.router_url, keys.api, commit))
+            lines = asyncio.run(_record(model, fleet.router_url, fleet.engine_urls[0], keys.api, commit))
         finally:
             retriever.shutdown()
             fleet.stop()

@@ -5,7 +5,8 @@ the runner subprocess with pinned-eval's miles-compatible surface.
 Fixtures in the shape of miles' examples (tests/fixtures/miles_style/): search-r1 (old form, `text`
 + `return_logprob`, a retriever stub on 127.0.0.1, a custom `reward_func`), multi-agent (old form
 with `evaluation=`, `list[Sample]`, a reward set during generation), the generate hub's
-`single_turn` (new form, `input_ids` from the pinned snapshot's tokenizer). A point whose gateway
+`single_turn` (new form, `input_ids` from the pinned snapshot's tokenizer), an agent function over
+chat completions (`agentic_tool_call`, its own gateway session). A point whose gateway
 sees another version is `pin_violation`; endless turns are stopped by the per-sample turn limit and
 skip the point `agent_error`.
 """
@@ -192,10 +193,18 @@ async def test_endless_turns_stop_at_the_turn_limit_as_agent_error(
 async def test_agent_function_over_chat_completions_in_its_session(
     fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path
 ) -> None:
-    ds = _ds("agent", "miles.rollout.generate_hub.agentic_tool_call.generate",
-             "custom:agent_chat.reward_from_metadata", max_new_tokens=256,
-             custom_agent_function_path="agent_chat.run_agent")
-    [s] = await _point(fleet, http, model, ds, [EvalSample(0, "What is 2+2?", "4", {"tools": TOOLS})])
+    [g] = golden("miles.rollout.generate_hub.agentic_tool_call.generate")
+    assert g["metadata"] == {"tools": TOOLS}
+    ds = _ds("agent", g["fixture"], g["reward"], max_new_tokens=g["max_new_tokens"],
+             custom_agent_function_path=g["miles_args"]["custom_agent_function_path"])
+    [s] = await _point(fleet, http, model, ds, [EvalSample(0, g["prompt"], g["label"], g["metadata"])])
+    [want] = g["samples"]
+    assert (s.status, s.reward) == (want["status"], want["reward_value"])  # miles' own: completed, 1.0
+    assert s.messages is not None and [m["weight_version"] for m in s.messages] == want["weight_versions"]
+    # Not yet miles' response: miles' is its session server's merged token trajectory (each turn's
+    # output with its EOS text, the template's tool turn between); pinned-eval's is the last reply.
+    assert want["response"] == CALL + "</s><|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n" \
+        "<|im_start|>assistant\n" + s.response + "</s>"
     assert (s.response, s.status, s.finish_reason, s.weight_version, s.reward) == (
         "The answer is 4.", "completed", "stop", "5", 1.0)
     assert (s.turns, s.metadata["agent_turns"], s.metadata["reward"]) == (2, 4, 1.0)
