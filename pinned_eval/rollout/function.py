@@ -25,7 +25,10 @@ Contract:
   sample gets its own gateway session (`session_url`, the agent function's `base_url`); the
   gateway's transcript of the sample (calls made in its session or naming its routing key) is
   kept as `messages` and counted as `turns`; an agent function's sample (miles' hub
-  `agentic_tool_call`) takes its response, status and weight versions from the last reply there.
+  `agentic_tool_call`) takes its response, status and weight versions from that session as miles'
+  session server merges it (`pinned_eval.rollout.trajectory`: each turn's output with its EOS text,
+  the template's tool turn between); a transcript that cannot be merged so (logged) falls back
+  to the last reply.
   Once the runner answers for a sample (its result or its error), its session is closed
   (`DELETE /sessions/{id}` on the gateway) before the transcript is read: a task the user code
   left running can add no call to a finished sample (every later call of it is refused, 404).
@@ -46,6 +49,7 @@ This module imports no Prefect.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -57,9 +61,10 @@ from pinned_eval.agentic.client import AgentError, AgentRunner
 from pinned_eval.agentic.imports import check_import_roots, check_interpreter, runner_settings
 from pinned_eval.datasets.loader import EvalSample
 from pinned_eval.datasets.spec import ResolvedDataset
-from pinned_eval.prompts import PromptRenderer
+from pinned_eval.prompts import PromptError, PromptRenderer, load_tokenizer
 from pinned_eval.rollout.session import PointSession
 from pinned_eval.rollout.single_turn import sampling
+from pinned_eval.rollout.trajectory import TrajectoryError, session_response
 from pinned_eval.rollout.types import Sample, Usage
 from pinned_eval.scoring.answers import RewardTypeError
 from pinned_eval.scoring.miles_custom import reward_value
@@ -67,6 +72,8 @@ from pinned_eval.skips import EvalSkipped, SkipReason
 
 if TYPE_CHECKING:  # the gateway imports the rollout package (the session): imported where used
     from pinned_eval.gateway import GatewayLimits
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FINISH_OF_STATUS", "FunctionRollout", "dataset_args", "gateway_limits"]
 
@@ -215,18 +222,36 @@ class FunctionRollout:
                     await close_session(session_url, where)
                     if gateway.violation is not None:
                         raise gateway.violation
-                    return [_sample(ds, row, j, rec, gateway.transcript(key)) for rec in records]
+                    calls = gateway.transcript(key)
+                    return [_sample(ds, row, j, rec, calls, session.tokenizer_dir) for rec in records]
 
                 yield produce
 
 
-def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], calls: list[dict[str, Any]]) -> Sample:
+def _from_session(ds: ResolvedDataset, where: str, calls: list[dict[str, Any]],
+                  tokenizer_dir: str | None) -> dict[str, Any]:
+    """An agent function's response, status and weight versions: miles' merged session trajectory
+    (`pinned_eval.rollout.trajectory`), else (logged) the last reply."""
+    try:
+        if tokenizer_dir is None:
+            raise TrajectoryError("the point has no tokenizer")
+        response, length, merged = session_response(calls, load_tokenizer(tokenizer_dir),
+                                                     dict(ds.apply_chat_template_kwargs))
+    except (TrajectoryError, PromptError) as exc:
+        log.warning("%s: miles' session trajectory not rebuilt (%s); the response is the last reply", where, exc)
+        merged = calls[-1:]
+        response, length = merged[0].get("text") or "", int(merged[0].get("completion_tokens") or 0)
+    return {"response": response, "response_length": length,
+            "status": "truncated" if merged[-1].get("finish_reason") == "length" else "completed",
+            "weight_versions": [c["weight_version"] for c in merged if c.get("weight_version")]}
+
+
+def _sample(ds: ResolvedDataset, row: EvalSample, j: int, rec: dict[str, Any], calls: list[dict[str, Any]],
+            tokenizer_dir: str | None = None) -> Sample:
     metadata = dict(rec.get("metadata") or {})
     if metadata.pop("from_transcript", False) and calls:  # an agent function: what the fleet answered
-        last = calls[-1]
-        rec = {**rec, "response": last.get("text") or "", "response_length": last.get("completion_tokens") or 0,
-               "status": "truncated" if last.get("finish_reason") == "length" else "completed",
-               "weight_versions": [c["weight_version"] for c in calls if c.get("weight_version")]}
+        where = f"dataset {ds.name!r} sample {row.index} (j={j})"
+        rec = {**rec, **_from_session(ds, where, calls, tokenizer_dir)}
     try:  # miles' eval: reward[eval_reward_key or reward_key] for a dict reward
         reward = reward_value("of the generate function", rec.get("reward"), ds.eval_reward_key or ds.reward_key)
     except RewardTypeError as exc:

@@ -201,12 +201,12 @@ async def test_agent_function_over_chat_completions_in_its_session(
     [want] = g["samples"]
     assert (s.status, s.reward) == (want["status"], want["reward_value"])  # miles' own: completed, 1.0
     assert s.messages is not None and [m["weight_version"] for m in s.messages] == want["weight_versions"]
-    # Not yet miles' response: miles' is its session server's merged token trajectory (each turn's
-    # output with its EOS text, the template's tool turn between); pinned-eval's is the last reply.
+    # miles' response: its session server's merged trajectory (each turn's output with its EOS text,
+    # the template's tool turn and the next generation prompt between), rebuilt from the transcript
+    assert s.response == want["response"]
     assert want["response"] == CALL + "</s><|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n" \
-        "<|im_start|>assistant\n" + s.response + "</s>"
-    assert (s.response, s.status, s.finish_reason, s.weight_version, s.reward) == (
-        "The answer is 4.", "completed", "stop", "5", 1.0)
+        "<|im_start|>assistant\nThe answer is 4.</s>"
+    assert (s.status, s.finish_reason, s.weight_version, s.reward) == ("completed", "stop", "5", 1.0)
     assert (s.turns, s.metadata["agent_turns"], s.metadata["reward"]) == (2, 4, 1.0)
     assert s.messages is not None
     assert [(m["route"], m["finish_reason"], m["weight_version"]) for m in s.messages] == [

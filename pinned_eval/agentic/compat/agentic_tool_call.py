@@ -7,7 +7,8 @@ request_kwargs, metadata)`, miles' agent contract: `base_url` is an OpenAI base 
 runner, so an OpenAI client finds it); `request_kwargs` are the sampling params under
 chat-completion names (`max_new_tokens` -> `max_tokens`, `sampling_seed` -> `seed`); a returned
 dict is merged into the sample's metadata. The sample's response, status and weight versions are
-then taken by the worker from the gateway's transcript of that session (the last reply), so they
+then taken by the worker from the gateway's transcript of that session (miles' merged session
+trajectory, `pinned_eval.rollout.trajectory`), so they
 are what the fleet answered, not what the agent says.
 """
 
