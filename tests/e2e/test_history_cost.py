@@ -4,7 +4,8 @@ the janitor's sweep read, the trainer's `wait_for` and the miles adapter make is
 run of a few points and for one of more points than a page holds (counted through a recording
 httpx transport, not timed).
 
-Real Prefect server (the session fixture); points are seeded over its REST API in final states.
+Real Prefect server (the session fixture); points are seeded over its REST API in final states, one
+history per module (`scored`) that every test reads.
 """
 
 from __future__ import annotations
@@ -62,19 +63,9 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(prefect_server: str) -> dict[int, str]:
-    """Two runs, each with its history (completed points) and one RUNNING point at step 10_000."""
-    out = {}
-    with prefect_rest_client(prefect_server) as http:
-        for n in (3, BIG):
-            run = f"hc{n}-{uuid.uuid4().hex[:6]}"
-            seed_points(http, run, range(1, n + 1))
-            seed_points(http, run, range(10_000, 10_001), "RUNNING")
-            out[n] = run
-        seeded = server_time(http)
-        # the server's clock (whole seconds) past the last seeded end time: what ended before is history
-        _wait_for(lambda: server_time(http) > seeded)
-    return out
+def runs(scored: dict[int, tuple[str, str]]) -> dict[int, str]:
+    """The runs of `scored` (one history seeded per module, for every test): {n: run}."""
+    return {n: run for n, (run, _) in scored.items()}
 
 
 def _sync(api: str, run: str, transport: RecordingTransport) -> AdmissionSync:
@@ -96,12 +87,12 @@ def test_the_admission_refresh_makes_one_request_whatever_the_history(
         sync = _sync(prefect_server, run, rec)
         assert sync.refresh() == {10_000}
         first = rec.take()  # the first refresh reads the whole history, paged: what exists is known
-        assert first == [filter_call] * (n // 200 + 1)
-        assert sync.view.steps() == set(range(1, n + 1)) | {10_000}
+        assert first == [filter_call] * ((n + 4) // 200 + 1)  # n + 3 flow runs
+        assert sync.view.steps() == set(range(1, n + 2)) | {10_000}
         assert sync.refresh() == {10_000}
         answered[n] = rec.bytes
         seen[n] = rec.take()
-        assert sync.view.steps() == set(range(1, n + 1)) | {10_000}
+        assert sync.view.steps() == set(range(1, n + 2)) | {10_000}
     assert seen[3] == seen[BIG] == [filter_call]
     # the answer holds what is in flight on the server, not the history: the same size for both runs
     # (run names differ in length only by the digits of n)
@@ -140,12 +131,12 @@ def test_status_reads_the_same_requests_whatever_the_history(prefect_server: str
             history = read_history(run, client=client, last=50)
             seen[n] = [c for c in rec.take() if c != ("GET", "/api/csrf-token")]  # the client's own handshake
         # the window: the latest 50 steps (the RUNNING point at 10_000 included), states embedded
-        assert [p.step for p in history.points] == [*range(max(1, n - 48), n + 1), 10_000]
-        assert [p.outcome for p in history.points][-2:] == ["measured", "running"]
+        assert [p.step for p in history.points] == [*range(max(1, n - 47), n + 2), 10_000]
+        assert [p.outcome for p in history.points][-4:] == ["measured", "failed", "measured", "running"]
         with get_client(sync_client=True, httpx_settings={"transport": rec}) as client:
             since = read_history(run, client=client, since=n - 1)  # `status --since STEP`
             assert [c for c in rec.take() if c != ("GET", "/api/csrf-token")] == seen[n]
-        assert [p.step for p in since.points] == [n - 1, n, 10_000]
+        assert [p.step for p in since.points] == [n - 1, n, n + 1, 10_000]
     assert seen[3] == seen[BIG] == [("POST", "/api/flow_runs/filter"), ("POST", "/api/artifacts/latest/filter")]
 
 
@@ -153,13 +144,15 @@ def test_status_reads_the_same_requests_whatever_the_history(prefect_server: str
 
 
 def _score(step: int) -> float:
-    return step / 1000  # the newest step scores best; its rerun failed, so the one before it wins
+    return step / 1000  # step n scores best; its rerun failed, so the one before it wins (n + 1 has no row)
 
 
 @pytest.fixture(scope="module")
 def scored(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, str]]:
-    """Two runs (3 and BIG measured points, sinks block with a JSONL ledger); the newest step's
-    rerun (a second flow run) FAILED; one RUNNING point at step 10_000. {n: (run, sinks block)}."""
+    """Two runs (3 and BIG measured points, sinks block with a JSONL ledger); step n's rerun (a
+    second flow run) FAILED; step n + 1 completed under the `default` sinks block (no ledger: what
+    `status` reads from its artifacts); one RUNNING point at step 10_000; returned once the server's
+    clock is past the last seeded end time (what ended before is history). {n: (run, sinks block)}."""
     from blocks import SinksBlock
     from pinned_eval.sinks import Ledger, MetricRow
 
@@ -172,6 +165,7 @@ def scored(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> dic
             run = f"hcs{n}-{uuid.uuid4().hex[:6]}"
             seed_points(http, run, range(1, n + 1), parameters={"sinks": sinks})
             seed_points(http, run, range(n, n + 1), "FAILED", parameters={"sinks": sinks})
+            seed_points(http, run, range(n + 1, n + 2))  # the `default` sinks block: no ledger
             seed_points(http, run, range(10_000, 10_001), "RUNNING", parameters={"sinks": sinks})
             ledger.write_point([
                 MetricRow(run=run, step=s, dataset="arith", state="measured", weight_version=str(s),
@@ -179,6 +173,8 @@ def scored(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> dic
                 for s in range(1, n + 1)
             ])  # fmt: skip
             out[n] = (run, sinks)
+        seeded = server_time(http)
+        _wait_for(lambda: server_time(http) > seeded)  # the server's clock has whole seconds
     return out
 
 

@@ -4,6 +4,8 @@ created over the API in the states under test, as a dead worker or host leaves t
 - a crashed point is alerted once: `pinned-eval.point.failed` from whichever of the janitor or the
   `on_crashed` hook ends the run, never from both, nor from two janitor passes that both read it
   Running (the second's Crashed transition is refused);
+- an alert emitted outside any run relates the point's flow run only, never the flow run the
+  process's events worker was started in (`tasks.alerts`);
 - every janitor retire keeps the staging block's best-K steps (keep_best) and trims the ring.
 The same alert from a really SIGKILLed point the janitor crashes:
 tests/e2e/test_operator_cli.py::test_janitor_crashes_a_point_whose_host_is_gone; from the hook of a
@@ -17,7 +19,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from prefect import get_client
+from prefect import flow, get_client
+from prefect.context import FlowRunContext
+from prefect.events import emit_event
+from prefect.events.worker import EventsWorker
 from prefect.states import Completed, Crashed, Running
 
 from blocks import FleetBlock, StagingBlock
@@ -25,6 +30,7 @@ from flows.eval_point import eval_point, retire_on_crash
 from flows.janitor import StuckPoint, crash_point, janitor
 from pinned_eval.events import EVENT_FAILED, point_resource
 from pinned_eval.sinks import JsonlSink, MetricRow
+from tasks.alerts import emit_failed
 from tests.eventkit import related_flow_runs, settled_events
 from tests.pointkit import PointEnv, save_point_blocks, write_step_snapshot
 
@@ -106,3 +112,24 @@ def test_a_crashed_point_is_alerted_once_whoever_ends_it(best_env: PointEnv) -> 
     assert hook_event["payload"] == {"reason": "crashed", "error": "Process exited with status code: -9."}
     crashed = [(r.step, r.reason) for r in JsonlSink(env.jsonl).read(env.run) if r.state == "failed"]
     assert crashed == [(5, "crashed"), (6, "crashed")]
+
+
+@flow(name="events-worker-starter")
+def _start_events_worker() -> str:
+    """Emit an event inside this flow run (the process's events worker starts here) and return its id."""
+    emit_event("pinned-eval.test.starter", resource={"prefect.resource.id": f"pinned-eval.test.{uuid.uuid4().hex}"})
+    ctx = FlowRunContext.get()
+    assert ctx is not None and ctx.flow_run is not None
+    return str(ctx.flow_run.id)
+
+
+def test_an_alert_outside_any_run_relates_the_point_only(prefect_server: str) -> None:
+    # the events worker keeps the run context it was started in; an emitter outside any run (the
+    # hook, a crash outside the janitor flow) sets no run context of its own
+    EventsWorker.drain_all(timeout=30)
+    starter = _start_events_worker()
+    point, run = str(uuid.uuid4()), f"t{uuid.uuid4().hex[:8]}"
+    emit_failed(run, 7, "Process exited with status code: -9.", flow_run_id=point)
+    [event] = settled_events(EVENT_FAILED, point_resource(run, 7)["prefect.resource.id"])
+    assert related_flow_runs(event) == [f"prefect.flow-run.{point}"]
+    assert f"prefect.flow-run.{starter}" not in [r["prefect.resource.id"] for r in event["related"]]
