@@ -21,6 +21,11 @@ after `pip install --no-deps sglang` plus `pip install openai msgspec` (in a scr
 only sglang's import-time `triton` / `zmq` / `IPython` and the modules of sglang's main branch the
 release lacks (SGLANG_NEWER) are stubs. The agent carries the fleet's key itself
 (`OPENAI_API_KEY`); the session server forwards it to the engine.
+
+The retool-style case runs the generate hub's `multi_turn` with the fixture's `tool_specs` and
+`execute_tool` (tests/fixtures/miles_style/retool_style.py) and sglang's real `qwen25` tool-call
+parser, which also needs `pip install partial_json_parser` and
+`pip install --no-deps xgrammar apache-tvm-ffi` (its import-time `StructuralTag` is a pydantic field).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ CASES: list[tuple[Any, ...]] = [
     ("miles.rollout.generate_hub.single_turn.generate", "math", [("Capital of France?", "x")], 48),
     (AGENT, "custom:agent_chat.reward_from_metadata", [("What is 2+2?", "4", {"tools": TOOLS})], 256,
      {"custom_agent_function_path": "agent_chat.run_agent", "use_session_server": True}),
+    ("miles.rollout.generate_hub.multi_turn.generate", "math", [("What is 2+2?", "4")], 256,
+     {"generate_max_turns": 3, "generate_tool_specs_path": "retool_style.tool_specs",
+      "generate_tool_call_parser": "qwen25", "generate_execute_tool_function_path": "retool_style.execute_tool"}),
 ]
 # sglang's package imports these at import time; the protocol models the agent path uses never call them
 SGLANG_IMPORT_TIME = ("triton", "zmq", "IPython")
