@@ -21,6 +21,13 @@ after `pip install --no-deps sglang` plus `pip install openai msgspec` (in a scr
 only sglang's import-time `triton` / `zmq` / `IPython` and the modules of sglang's main branch the
 release lacks (SGLANG_NEWER) are stubs. The agent carries the fleet's key itself
 (`OPENAI_API_KEY`); the session server forwards it to the engine.
+
+The retool-style case runs the generate hub's `multi_turn` with the fixture's `tool_specs` and
+`execute_tool` (tests/fixtures/miles_style/retool_style.py) and sglang's real `qwen25` tool-call
+parser, which also needs `pip install partial_json_parser` and
+`pip install --no-deps xgrammar apache-tvm-ffi` (its import-time `StructuralTag` is a pydantic field).
+The Python-tool case runs miles' own retool tool (`examples.retool_v2.tool_sandbox`, from the
+checkout) on the code the scripted engine of tests/e2e/test_agentic_point.py writes (`print(6*7)`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,18 @@ CASES: list[tuple[Any, ...]] = [
     ("miles.rollout.generate_hub.single_turn.generate", "math", [("Capital of France?", "x")], 48),
     (AGENT, "custom:agent_chat.reward_from_metadata", [("What is 2+2?", "4", {"tools": TOOLS})], 256,
      {"custom_agent_function_path": "agent_chat.run_agent", "use_session_server": True}),
+    ("miles.rollout.generate_hub.multi_turn.generate", "math", [("What is 2+2?", "4")], 256,
+     {"generate_max_turns": 3, "generate_tool_specs_path": "retool_style.tool_specs",
+      "generate_tool_call_parser": "qwen25", "generate_execute_tool_function_path": "retool_style.execute_tool"}),
+]
+# against tests/e2e/test_agentic_point.py's engine (its RULES, weight version 3 as its point pins):
+# the retool-style dataset with a Python tool that really runs the model's code, miles' own
+# (examples/retool_v2/tool_sandbox.py) where pinned-eval runs its stock tool in the sandbox
+PYTHON_TOOL_CASES: list[tuple[Any, ...]] = [
+    ("miles.rollout.generate_hub.multi_turn.generate", "math", [("What is 6*7?", "42")], 256,
+     {"generate_max_turns": 3, "generate_tool_specs_path": "examples.retool_v2.tool_sandbox.tool_specs",
+      "generate_tool_call_parser": "qwen25",
+      "generate_execute_tool_function_path": "examples.retool_v2.tool_sandbox.execute_tool"}),
 ]
 # sglang's package imports these at import time; the protocol models the agent path uses never call them
 SGLANG_IMPORT_TIME = ("triton", "zmq", "IPython")
@@ -147,7 +166,8 @@ def _session_server(args: argparse.Namespace, engine: str) -> tuple[Any, Any]:
     return server, thread
 
 
-async def _record(model: Path, router: str, engine: str, api_key: str, miles_commit: str) -> list[dict[str, Any]]:
+async def _record(cases: list[tuple[Any, ...]], model: Path, router: str, engine: str, api_key: str,
+                  miles_commit: str) -> list[dict[str, Any]]:
     from miles.rollout.inference_rollout.inference_rollout_common import (
         GenerateState,
         compute_sampling_params,
@@ -159,7 +179,7 @@ async def _record(model: Path, router: str, engine: str, api_key: str, miles_com
     from tests.conftest import free_port
 
     out = []
-    for fixture, reward, rows, max_new_tokens, *extra in CASES:
+    for fixture, reward, rows, max_new_tokens, *extra in cases:
         args = _args(model, router, reward, max_new_tokens)
         session = None
         if extra:
@@ -197,6 +217,31 @@ async def _record(model: Path, router: str, engine: str, api_key: str, miles_com
     return out
 
 
+def _on_fleet(cases: list[tuple[Any, ...]], model: Path, rules: list[dict[str, str]], version: str,
+              commit: str) -> list[dict[str, Any]]:
+    """Record `cases` on one scripted CPU engine (`rules`, `version`) behind the real sglang-router."""
+    from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
+    from pinned_eval.fleet.keys import FleetKeys
+    from pinned_eval.fleet.launcher import launch_fleet
+    from tests.conftest import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rules_file = Path(tmp) / "rules.json"
+        rules_file.write_text(json.dumps(rules))
+        keys = FleetKeys.resolve()
+        spec = engine_spec(
+            CpuEngineArgs(model_path=str(model), port=free_port(), weight_version=version, api_key=keys.api,
+                          admin_api_key=keys.admin, scripted_completions=str(rules_file), tool_call_parser="qwen25"),
+            env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+        fleet = launch_fleet([spec], log_dir=Path(tmp) / "logs", keys=keys, ready_timeout_s=120)
+        try:
+            assert fleet.router_url is not None
+            return asyncio.run(_record(cases, model, fleet.router_url, fleet.engine_urls[0], keys.api, commit))
+        finally:
+            fleet.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--miles", required=True, help="a miles checkout (its root holds the `miles` package)")
@@ -215,31 +260,19 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from engine.tiny_model import make_tiny_model
-    from pinned_eval.fleet.cpu_engine import CpuEngineArgs, engine_spec
-    from pinned_eval.fleet.keys import FleetKeys
-    from pinned_eval.fleet.launcher import launch_fleet
-    from tests.conftest import free_port
+    from tests.e2e.test_agentic_point import RULES as POINT_RULES
     from tests.e2e.test_function_fleet import RULES
 
+    lines = []
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "m", arch="llama", seed=0, chat_template="chatml")
-        rules = Path(tmp) / "rules.json"
-        rules.write_text(json.dumps(RULES))
-        keys = FleetKeys.resolve()
-        spec = engine_spec(
-            CpuEngineArgs(model_path=str(model), port=free_port(), weight_version="5", api_key=keys.api,
-                          admin_api_key=keys.admin, scripted_completions=str(rules), tool_call_parser="qwen25"),
-            env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-        )
-        fleet = launch_fleet([spec], log_dir=Path(tmp) / "logs", keys=keys, ready_timeout_s=120)
         retriever = _retriever()
         os.environ["RETRIEVER_URL"] = f"http://127.0.0.1:{retriever.server_port}/retrieve"
         try:
-            assert fleet.router_url is not None
-            lines = asyncio.run(_record(model, fleet.router_url, fleet.engine_urls[0], keys.api, commit))
+            for cases, rules, version in ((CASES, RULES, "5"), (PYTHON_TOOL_CASES, POINT_RULES, "3")):
+                lines += _on_fleet(cases, model, rules, version, commit)
         finally:
             retriever.shutdown()
-            fleet.stop()
     if CALLED:
         raise SystemExit(f"a stub was called ({CALLED}): these goldens would not be miles' own results")
     for line in lines:

@@ -41,6 +41,10 @@ pytestmark = pytest.mark.e2e
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "miles_style"
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "agentic"
 YAML = FIXTURES / "agentic_point" / "eval.yaml"
+# miles' own multi_turn with miles' own Python tool (examples/retool_v2/tool_sandbox.py) on this dataset
+# against this engine's RULES at version 3: scripts/record_miles_generate_goldens.py
+GOLDEN = Path(__file__).parent.parent / "data" / "miles_generate_golden.jsonl"
+MILES_TOOL = "examples.retool_v2.tool_sandbox.execute_tool"
 CALL = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
 RULES = [
     {"prompt_contains": "Output:\n42", "completion": "So the answer is \\boxed{42}."},
@@ -97,7 +101,10 @@ def _runaway(tmp_path: Path, function: str, rows: list[dict], **limits: object) 
 def test_agentic_point_is_measured_at_the_pinned_version_with_the_tool_run_in_the_sandbox(
     prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
 ) -> None:
-    _write(tmp_path / "retool.jsonl", [{"prompt": "What is 6*7?", "label": "42"}])
+    [g] = [x for line in GOLDEN.read_text().splitlines() if (x := json.loads(line))["fixture"]
+           == "miles.rollout.generate_hub.multi_turn.generate"
+           and x["miles_args"]["generate_execute_tool_function_path"] == MILES_TOOL]
+    _write(tmp_path / "retool.jsonl", [{"prompt": g["prompt"], "label": g["label"]}])
     _write(tmp_path / "plain.jsonl", [{"prompt": "Name a prime.", "label": "7"}])
     shown = CliRunner().invoke(app, ["suite", "miles", str(YAML), "--set", f"DATA_DIR={tmp_path}"])
     assert shown.exit_code == 0, shown.output
@@ -114,6 +121,10 @@ def test_agentic_point_is_measured_at_the_pinned_version_with_the_tool_run_in_th
     assert rows["retool"].metrics["eval/retool/weight_version/mixed_version_ratio"] == 0
     samples = SinksBlock.load(env.blocks["sinks"]).results_store().read(env.run, 3, SAMPLES).to_pylist()
     by = {s["dataset"]: s for s in samples}
+    [want] = g["samples"]  # the stock tool in the sandbox answers as miles' own tool does
+    assert (by["retool"]["response"], by["retool"]["status"], by["retool"]["reward"]) == (
+        want["response"], want["status"], want["reward_value"])
+    assert want["weight_versions"] == [by["retool"]["weight_version"]] * by["retool"]["turns"]
     assert by["retool"]["response"].startswith(CALL)
     assert "Output:\n42" in by["retool"]["response"]  # print(6*7) ran in the sandbox
     assert by["retool"]["response"].endswith("So the answer is \\boxed{42}.</s>")  # EOS text kept, as in miles

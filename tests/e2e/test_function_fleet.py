@@ -217,10 +217,17 @@ async def test_agent_function_over_chat_completions_in_its_session(
 async def test_retool_style_multi_turn_with_tool_specs(
     fleet: LaunchedFleet, http: httpx.AsyncClient, model: Path
 ) -> None:
-    ds = _ds("retool", "miles.rollout.generate_hub.multi_turn.generate", "exact_match", max_new_tokens=256,
-             generate_max_turns=3, generate_tool_specs_path="retool_style.tool_specs",
-             generate_tool_call_parser="qwen25", generate_execute_tool_function_path="retool_style.execute_tool")
-    [s] = await _point(fleet, http, model, ds, [EvalSample(0, "What is 2+2?", "The")])
-    assert s.response.startswith(CALL) and s.response.endswith("The answer is 4.</s>")  # EOS text kept, as miles
-    assert "Output:\n4" in s.response
-    assert (s.status, s.weight_version, s.turns, s.reward) == ("completed", "5", 2, 0.0)
+    [g] = [x for x in golden("miles.rollout.generate_hub.multi_turn.generate")
+           if x["miles_args"]["generate_execute_tool_function_path"] == "retool_style.execute_tool"]
+    assert g["miles_args"] == {"generate_max_turns": 3, "generate_tool_specs_path": "retool_style.tool_specs",
+                               "generate_tool_call_parser": "qwen25",
+                               "generate_execute_tool_function_path": "retool_style.execute_tool"}
+    ds = _ds("retool", g["fixture"], g["reward"], max_new_tokens=g["max_new_tokens"], **g["miles_args"])
+    [s] = await _point(fleet, http, model, ds, [EvalSample(0, g["prompt"], g["label"])])
+    [want] = g["samples"]  # miles' own multi_turn with our fixture's tool: one version per model call
+    assert (s.response, s.status, s.reward) == (want["response"], want["status"], want["reward_value"])
+    assert want["weight_versions"] == [s.weight_version] * s.turns
+    # the template's tool turn between the two outputs, each with its EOS text, as miles keeps them
+    assert s.response == CALL + "</s><|im_start|>user\n<tool_response>\nOutput:\n4\n</tool_response><|im_end|>\n" \
+        "<|im_start|>assistant\nThe answer is 4.</s>"
+    assert (s.status, s.weight_version, s.turns, s.reward) == ("completed", "5", 2, 0)  # math: no \boxed{}
