@@ -174,3 +174,22 @@ def slow_point_env(prefect_server: str, cpu_fleet: CpuFleet, tmp_path: Path) -> 
     """Like `point_env`, with `SLOW_SUITE`: the point stays in its score phase for ~12 s."""
     fleet = FleetBlock(name=f"f{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
     return save_point_blocks(tmp_path, fleet, suite=SLOW_SUITE)
+
+
+def launched_point_env(tmp_path: Path, fleet: LaunchedFleet, suite: EvalSuite) -> PointEnv:
+    """Blocks for points on a fleet launched by `scripted_fleet`, with a JSONL ledger and a results root."""
+    assert fleet.state_file is not None
+    block = FleetBlock(name=f"f{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(fleet.state_file))
+    env = save_point_blocks(tmp_path, block, suite=suite, keep_snapshots=0)
+    SinksBlock(jsonl_path=str(env.jsonl), results_root=str(tmp_path / "results")).save(env.blocks["sinks"],
+                                                                                       overwrite=True)
+    return env
+
+
+def run_staged_point(env: PointEnv, step: int, model: Path):  # type: ignore[no-untyped-def]
+    """Stage `model`'s weights as the snapshot of `step`, then run the point's flow (its final state)."""
+    from flows.eval_point import eval_point
+
+    dest = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, step)
+    write_step_snapshot(model, dest)
+    return eval_point(**env.params(step, source={"kind": "staged", "path": dest}), return_state=True)

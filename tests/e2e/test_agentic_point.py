@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,13 +28,12 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import app
-from blocks import FleetBlock, SinksBlock, StagingBlock
-from flows.eval_point import eval_point
+from blocks import SinksBlock
 from pinned_eval.fleet.launcher import LaunchedFleet
 from pinned_eval.results.store import SAMPLES
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.suite import EvalSuite
-from tests.pointkit import PointEnv, save_point_blocks, scripted_fleet, write_step_snapshot
+from tests.pointkit import launched_point_env, run_staged_point, scripted_fleet
 
 pytestmark = pytest.mark.e2e
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "miles_style"
@@ -74,19 +72,8 @@ def _write(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _env(tmp_path: Path, fleet: LaunchedFleet, suite: EvalSuite) -> PointEnv:
-    assert fleet.state_file is not None
-    block = FleetBlock(name=f"a{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(fleet.state_file))
-    env = save_point_blocks(tmp_path, block, suite=suite, keep_snapshots=0)
-    SinksBlock(jsonl_path=str(env.jsonl), results_root=str(tmp_path / "results")).save(env.blocks["sinks"],
-                                                                                       overwrite=True)
-    return env
-
-
-def _run(env: PointEnv, step: int, model: Path):  # type: ignore[no-untyped-def]
-    dest = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, step)
-    write_step_snapshot(model, dest)
-    return eval_point(**env.params(step, source={"kind": "staged", "path": dest}), return_state=True)
+_env = launched_point_env
+_run = run_staged_point
 
 
 def _runaway(tmp_path: Path, function: str, rows: list[dict], **limits: object) -> EvalSuite:

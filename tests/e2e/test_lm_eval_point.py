@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,8 +27,7 @@ import httpx
 import psutil
 import pytest
 
-from blocks import FleetBlock, SinksBlock, StagingBlock
-from flows.eval_point import eval_point
+from blocks import SinksBlock
 from pinned_eval.datasets.loader import load_dataset
 from pinned_eval.fleet.errors import WeightVersionMismatch
 from pinned_eval.fleet.generate import RouterGenerator
@@ -40,7 +38,7 @@ from pinned_eval.rollout.lm_eval import lm_eval_metrics
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.skips import EvalSkipped
 from pinned_eval.suite import DatasetSpec, EvalSuite
-from tests.pointkit import PointEnv, save_point_blocks, scripted_fleet, write_step_snapshot
+from tests.pointkit import launched_point_env, run_staged_point, scripted_fleet
 
 pytestmark = pytest.mark.e2e
 TASKS = Path(__file__).parent.parent / "data" / "lm_eval_tasks"
@@ -75,19 +73,8 @@ def fleet(model: Path) -> Iterator[LaunchedFleet]:
         yield launched
 
 
-def _env(tmp_path: Path, fleet: LaunchedFleet, suite: EvalSuite) -> PointEnv:
-    assert fleet.state_file is not None
-    block = FleetBlock(name=f"l{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(fleet.state_file))
-    env = save_point_blocks(tmp_path, block, suite=suite, keep_snapshots=0)
-    SinksBlock(jsonl_path=str(env.jsonl), results_root=str(tmp_path / "results")).save(env.blocks["sinks"],
-                                                                                       overwrite=True)
-    return env
-
-
-def _run(env: PointEnv, step: int, model: Path):  # type: ignore[no-untyped-def]
-    dest = StagingBlock.load(env.blocks["staging"]).staging().path_for(env.run, step)
-    write_step_snapshot(model, dest)
-    return eval_point(**env.params(step, source={"kind": "staged", "path": dest}), return_state=True)
+_env = launched_point_env
+_run = run_staged_point
 
 
 def _suite(tasks: tuple[str, ...] = ("pe_arith_gen", "pe_colour_mc"), **fields: object) -> EvalSuite:
