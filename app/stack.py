@@ -30,6 +30,9 @@ import httpx
 import psutil
 from pydantic import BaseModel
 
+from app.deliverer import DRAIN_S as DELIVERER_DRAIN_S
+from app.deliverer import command as deliverer_command
+from app.deliverer import wait_serving
 from app.prefect_server import ServerProcess, ensure_auth_file, private_dir, start_server, stop_server
 from app.warm_start import SOCKET_ENV, server_command, wait_listening, write_job_template
 from pinned_eval.backend_host import HOST_ENV, host_command, wait_host_ready
@@ -42,6 +45,7 @@ from pinned_eval.processes import (
     stop_groups,
 )
 from pinned_eval.settings import AUTH_FILE_NAME, read_auth_file
+from pinned_eval.sinks.outbox import OUTBOX_ENV, Outbox
 
 WORK_POOL = "pinned-eval"
 # how often a worker polls for runs (and how far ahead it prefetches): the poll is paid on every
@@ -69,6 +73,7 @@ class StackState(BaseModel):
     worker_pid: int | None = None
     warm_pid: int | None = None
     backend_host_pid: int | None = None
+    deliverer_pid: int | None = None
     port: int | None = None  # the server's last port, kept by `down`: the next `server_up` reuses it when free
 
 
@@ -150,38 +155,48 @@ class LocalStack:
     def backend_socket(self) -> Path:
         return self.home.resolve() / "sockets" / "backends.sock"
 
+    def outbox(self) -> Path:  # the deliverer's (pinned_eval.sinks.outbox), 0700
+        return self.home.resolve() / "outbox"
+
     def worker_env(self, query_seconds: float = WORKER_QUERY_SECONDS) -> dict[str, str]:
-        """The worker's environment: poll/prefetch interval, the warm-start socket and the backend
-        host's socket (both passed on to flow runs)."""
+        """The worker's environment: poll/prefetch interval, the warm-start socket, the backend
+        host's socket and the outbox (all passed on to flow runs)."""
         return dict(self.env(), PREFECT_WORKER_QUERY_SECONDS=str(query_seconds),
                     PREFECT_WORKER_PREFETCH_SECONDS=str(query_seconds),
-                    **{SOCKET_ENV: str(self.warm_socket()), HOST_ENV: str(self.backend_socket())})
+                    **{SOCKET_ENV: str(self.warm_socket()), HOST_ENV: str(self.backend_socket()),
+                       OUTBOX_ENV: str(self.outbox())})
 
     def backend_host_up(self) -> int:
         """Start the backend host (or return the running one) and wait until it answers."""
         sock = self.backend_socket()
-        return self._companion_up("backend-host", "backend_host_pid", sock, host_command(sock),
+        return self._companion_up("backend-host", "backend_host_pid", sock.exists, host_command(sock),
                                   lambda _proc: wait_host_ready(sock))
 
     def warm_up(self) -> int:
         """Start the warm-start fork server (or return the running one) and wait until it listens."""
         sock = self.warm_socket()
-        return self._companion_up("warm-start", "warm_pid", sock, server_command(sock),
+        return self._companion_up("warm-start", "warm_pid", sock.exists, server_command(sock),
                                   lambda proc: wait_listening(sock, proc))
+
+    def deliverer_up(self) -> int:
+        """Start the tracker deliverer (or return the running one) and wait until it serves the outbox."""
+        outbox = Outbox(self.outbox())
+        return self._companion_up("deliverer", "deliverer_pid", outbox.served, deliverer_command(str(outbox.root)),
+                                  lambda proc: wait_serving(outbox, proc))
 
     def _companion_up(
         self,
-        role: Literal["warm-start", "backend-host"],
-        pid_field: Literal["warm_pid", "backend_host_pid"],
-        sock: Path,
+        role: Literal["warm-start", "backend-host", "deliverer"],
+        pid_field: Literal["warm_pid", "backend_host_pid", "deliverer_pid"],
+        ready: Callable[[], bool],
         command: list[str],
         wait: Callable[[subprocess.Popen[bytes]], object],
     ) -> int:
-        """A process beside the worker, serving on `sock` with the worker's environment: the
-        recorded one when it is alive and its socket exists, else a new one, recorded, waited for."""
+        """A process beside the worker, with the worker's environment: the recorded one when it is
+        alive and `ready()` (its socket exists, it serves), else a new one, recorded, waited for."""
         st = self.state()
         pid = getattr(st, pid_field)
-        if pid and pid_alive(pid) and sock.exists():
+        if pid and pid_alive(pid) and ready():
             return int(pid)
         spec = ProcessSpec(role=role, command=command, env=self.worker_env(), cwd=str(project_dir()))
         record, proc = start_process(spec, self.home / f"{role}.log")
@@ -190,9 +205,11 @@ class LocalStack:
         return record.pid
 
     def worker_up(self, *, query_seconds: float = WORKER_QUERY_SECONDS) -> int:
-        """Start the fork server and the backend host, then the worker (or return the running worker)."""
+        """Start the fork server, the backend host and the deliverer, then the worker (or return the
+        running worker)."""
         self.warm_up()
         self.backend_host_up()
+        self.deliverer_up()
         st = self.state()
         if st.worker_pid and pid_alive(st.worker_pid):
             return st.worker_pid
@@ -220,7 +237,7 @@ class LocalStack:
         backends); their records are cleared. Every process started here gets a parent-death
         signal (`children_die_with_me`), so a SIGKILLed caller leaves no worker polling the pool,
         nor companions. `extra_env`: added to the worker's environment (and its flow runs')."""
-        started: list[tuple[Literal["worker_pid", "warm_pid", "backend_host_pid"], int, float]] = []
+        started: list[tuple[Literal["worker_pid", "warm_pid", "backend_host_pid", "deliverer_pid"], int, float]] = []
         children_die_with_me()
         with _StopSignals() as stop:
             try:
@@ -230,6 +247,9 @@ class LocalStack:
                     started.append(("warm_pid", warm_pid, 30.0))
                 if host_pid != before.backend_host_pid:
                     started.append(("backend_host_pid", host_pid, 60.0))
+                deliverer_pid = self.deliverer_up()  # stopped after the worker: its flow runs' last envelopes
+                if deliverer_pid != before.deliverer_pid:
+                    started.append(("deliverer_pid", deliverer_pid, DELIVERER_DRAIN_S + 10.0))
                 env = dict(self.worker_env(query_seconds), **(extra_env or {}))
                 spec = ProcessSpec(role="worker", command=self.worker_command(pool), env=env, cwd=str(project_dir()))
                 record, proc = start_process(spec, None)  # foreground: its output is this command's
@@ -259,6 +279,9 @@ class LocalStack:
         if st.backend_host_pid and pid_alive(st.backend_host_pid):  # SIGTERM: it disposes its backends
             stop_groups([st.backend_host_pid], grace_s=60)
             stopped.append(f"backend-host {st.backend_host_pid}")
+        if st.deliverer_pid and pid_alive(st.deliverer_pid):  # SIGTERM: it sends what waits, for a while
+            stop_groups([st.deliverer_pid], grace_s=DELIVERER_DRAIN_S + 10.0)
+            stopped.append(f"deliverer {st.deliverer_pid}")
         if st.server_pid and pid_alive(st.server_pid):
             stop_server(st.server_pid)
             stopped.append(f"server {st.server_pid}")

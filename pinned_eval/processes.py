@@ -47,7 +47,7 @@ class ProcessSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    role: Literal["engine", "router", "prefect-server", "worker", "warm-start", "backend-host"]
+    role: Literal["engine", "router", "prefect-server", "worker", "warm-start", "backend-host", "deliverer"]
     command: list[str] = Field(min_length=1)
     env: dict[str, str] = Field(
         default_factory=dict, repr=False, description="Added on top of the launcher's environment (never in repr)."

@@ -170,3 +170,12 @@ def open_trusted_file(path: str, what: str) -> int:
         os.close(fd)
         raise UntrustedPathError(f"{what} {path!r} refused: {why}")
     return fd
+
+
+def make_private_dir(path: str, what: str) -> None:
+    """`make_private_dirs`, then refuse (`UntrustedPathError`) unless `path` itself is a directory
+    only this user can read or enter (mode 0700: what its group and others may not even list)."""
+    make_private_dirs(path, what)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
+        raise UntrustedPathError(f"{what} {path!r} refused: mode {stat.S_IMODE(st.st_mode):o}, not 0700")

@@ -15,6 +15,12 @@ point's ledger rows with `sink_errors` and `eval/sink_failed_<exporter>: 1`; the
 `sink_note(...)` to the run's state message. Only `Exception`s are caught (a cancellation or
 deadline still unwinds). A W&B, MLflow or TensorBoard retry after a partial write may log the same
 values twice at the same step.
+
+Under `pinned-eval worker` the remote trackers (W&B, MLflow: `Exporter.deferrable`) leave the
+point's path: their parcels go into the worker's outbox and its deliverer sends them
+(`pinned_eval.sinks.outbox`), noting a failure in the same ledger rows later; the state message
+then names them as handed over, not their result. Outside a worker (or while no deliverer
+serves it) every exporter runs here.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pinned_eval.sinks import (
     export_all,
     with_sink_errors,
 )
+from pinned_eval.sinks.outbox import defer
 from tasks import artifacts, results  # noqa: F401 - importing them registers their exporters
 from tasks.admission import exclusive
 from tasks.progress import lag_steps
@@ -72,7 +79,10 @@ def log_point(
             logger.warning("JSONL sink: %s; kept as is, other rows unaffected", problem)
     exporters = build_exporters(sinks)
     try:
-        errors = export_all(exporters, record, hold=exclusive)
+        inline, deferred, errors = defer(exporters, record, sinks.jsonl_path)
+        if deferred:
+            logger.info("%s/step-%d: %s handed to the worker's deliverer", run, step, ", ".join(deferred))
+        errors |= export_all(inline, record, hold=exclusive)
     finally:
         close_all(exporters)
     for sink, error in errors.items():
@@ -84,8 +94,8 @@ def log_point(
             SINK_ATTEMPTS,
             error,
         )
-    if errors and ledger is not None:
-        ledger.write_point([with_sink_errors(r, errors) for r in record.rows])
+    if errors and ledger is not None:  # merged with what the deliverer may have noted already
+        ledger.update_point(run, step, lambda rows: [with_sink_errors(r, errors) for r in rows])
     logger.info("logged %s/step-%d: %s", run, step, record.rows[0].state)
     return errors
 

@@ -95,30 +95,64 @@ class SinkSettings(Protocol):
     def results_store(self) -> ResultsStore | None: ...
 
 
+class Parcel(BaseModel):
+    """All a deferrable exporter's `send` needs for one point, as JSON: made on the point
+    (`Exporter.parcel`: cheap, local reads only), sent now or later by another process.
+
+    `config`: the exporter's own settings, rebuilt with its registration's `restore` (secrets in
+    plain text: a parcel is kept only in memory or in the worker's private outbox,
+    `pinned_eval.sinks.outbox`); `lock`: the `exclusive` lock name for this point; `body`: the
+    point's data as the exporter sends it (metrics, step, sample tables)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    exporter: str
+    config: dict[str, Any]
+    lock: str | None = None
+    body: dict[str, Any]
+
+
 @runtime_checkable
 class Exporter(Protocol):
     """A best-effort mirror of the ledger. `export` raises on failure (retried by `export_all`);
     `exclusive` names the lock to hold around each attempt (None: none); `describe_failure` turns
-    the last error into the text noted in the ledger; `close` is called once after the point."""
+    the last error into the text noted in the ledger; `close` is called once after the point.
+
+    A `deferrable` exporter (a remote tracker: W&B, MLflow) splits `export` into `parcel` (on the
+    point) and `send` (anywhere: `export(r)` is `send(parcel(r))`), so a worker's deliverer can do
+    the sending off the point's path (`pinned_eval.sinks.outbox`)."""
 
     name: str
+    deferrable: bool
 
     def exclusive(self, record: PointRecord) -> str | None: ...
     def export(self, record: PointRecord) -> None: ...
+    def parcel(self, record: PointRecord) -> Parcel: ...
+    def send(self, parcel: Parcel) -> None: ...
     def describe_failure(self, error: str) -> str: ...
     def close(self) -> None: ...
 
 
 class BaseExporter:
-    """Defaults for the optional parts of `Exporter`: no lock, the error as is, nothing to close."""
+    """Defaults for the optional parts of `Exporter`: no lock, the error as is, nothing to close,
+    not deferrable (`parcel`/`send` raise)."""
 
     name: str = ""
+    deferrable: bool = False
 
     def exclusive(self, record: PointRecord) -> str | None:
         return None
 
     def export(self, record: PointRecord) -> None:
-        raise NotImplementedError
+        if not self.deferrable:
+            raise NotImplementedError
+        self.send(self.parcel(record))
+
+    def parcel(self, record: PointRecord) -> Parcel:
+        raise NotImplementedError(f"exporter {self.name!r} is not deferrable")
+
+    def send(self, parcel: Parcel) -> None:
+        raise NotImplementedError(f"exporter {self.name!r} is not deferrable")
 
     def describe_failure(self, error: str) -> str:
         return error
@@ -128,6 +162,7 @@ class BaseExporter:
 
 
 ExporterFactory = Callable[[SinkSettings], Exporter | None]
+ExporterRestore = Callable[[dict[str, Any]], Exporter]  # a deferrable exporter from its `Parcel.config`
 
 
 @dataclass(frozen=True)
@@ -135,16 +170,34 @@ class Registration:
     name: str
     build: ExporterFactory
     order: int = field(default=50)
+    restore: ExporterRestore | None = None
 
 
 EXPORTERS: dict[str, Registration] = {}
 
 
-def register_exporter(name: str, build: ExporterFactory, *, order: int = 50) -> None:
-    """Register exporter `name` (built per point by `build`, run in ascending `order`)."""
+def register_exporter(
+    name: str, build: ExporterFactory, *, order: int = 50, restore: ExporterRestore | None = None
+) -> None:
+    """Register exporter `name` (built per point by `build`, run in ascending `order`; a
+    deferrable one also rebuilt from its parcel's config by `restore`)."""
     if name in EXPORTERS:
         raise ValueError(f"exporter {name!r} is already registered ({EXPORTERS[name].build!r})")
-    EXPORTERS[name] = Registration(name, build, order)
+    EXPORTERS[name] = Registration(name, build, order, restore)
+
+
+def restore_exporter(parcel: Parcel) -> Exporter:
+    """The exporter that sends `parcel` (`ValueError` naming it when none can)."""
+    reg = EXPORTERS.get(parcel.exporter)
+    if reg is None or reg.restore is None:
+        raise ValueError(f"no deferrable exporter {parcel.exporter!r} is registered")
+    return reg.restore(parcel.config)
+
+
+def plain_config(config: BaseModel) -> dict[str, Any]:
+    """`config` as JSON-able values with its secrets revealed (for `Parcel.config`)."""
+    return {k: v.get_secret_value() if isinstance(v, SecretStr) else v
+            for k, v in config.model_dump(mode="python").items()}
 
 
 def build_exporters(settings: SinkSettings) -> list[Exporter]:
@@ -201,4 +254,4 @@ def close_all(exporters: Iterable[Exporter]) -> None:
 def with_sink_errors(row: MetricRow, errors: dict[str, str]) -> MetricRow:
     """`row` noting the failed exporters: `sink_errors` and `eval/sink_failed_<name>: 1`."""
     failed = {f"{SINK_FAILED}{name}": 1.0 for name in errors}
-    return row.model_copy(update={"sink_errors": dict(errors), "metrics": {**row.metrics, **failed}})
+    return row.model_copy(update={"sink_errors": {**row.sink_errors, **errors}, "metrics": {**row.metrics, **failed}})

@@ -139,17 +139,34 @@ class Ledger:
         unparseable ones included, are kept byte for byte."""
         if not rows:
             return
-        points = {(r.run, r.step) for r in rows}
         with _locked(self.path):
-            kept = [
-                raw if raw.endswith(b"\n") else raw + b"\n"
-                for raw, row in self._lines()
-                if row is None or (row.run, row.step) not in points
-            ]
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.writelines([*kept, *(row.to_line() for row in rows)])
-            replace_durably(tmp, self.path)
+            self._rewrite({(r.run, r.step) for r in rows}, rows)
+
+    def update_point(self, run: str, step: int, change: Callable[[list[MetricRow]], list[MetricRow] | None]) -> bool:
+        """Under the ledger's lock, replace the rows of point (`run`, `step`) with `change(rows)`;
+        nothing is written (False) when the point has no row or `change` returns None. The read
+        and the write are one step: a point written meanwhile by another process is the one
+        `change` sees."""
+        with _locked(self.path):
+            rows = [row for _, row in self._lines(lambda r, s: (r, s) == (run, step))
+                    if row is not None and (row.run, row.step) == (run, step)]
+            changed = change(rows) if rows else None
+            if changed is None:
+                return False
+            self._rewrite({(run, step)}, changed)
+            return True
+
+    def _rewrite(self, points: set[tuple[str, int]], rows: list[MetricRow]) -> None:
+        """The file without the rows of `points`, then `rows`; called under the lock."""
+        kept = [
+            raw if raw.endswith(b"\n") else raw + b"\n"
+            for raw, row in self._lines()
+            if row is None or (row.run, row.step) not in points
+        ]
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.writelines([*kept, *(row.to_line() for row in rows)])
+        replace_durably(tmp, self.path)
 
 
 JsonlSink = Ledger  # the name it had before it was recognised as the ledger; kept for imports

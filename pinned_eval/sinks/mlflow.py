@@ -41,7 +41,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from pinned_eval.sinks.exporters import BaseExporter, PointRecord, SinkSettings, register_exporter
+from pinned_eval.sinks.exporters import (
+    BaseExporter,
+    Parcel,
+    PointRecord,
+    SinkSettings,
+    plain_config,
+    register_exporter,
+)
 from pinned_eval.sinks.wandb import first_samples
 
 RUN_TAG = "pinned_eval.run"
@@ -127,7 +134,11 @@ def _quoted(value: str) -> str:
 
 
 class MlflowExporter(BaseExporter):
+    """Deferrable: the parcel holds the metrics under their MLflow names and the sample tables,
+    `send` makes the requests."""
+
     name = "mlflow"
+    deferrable = True
 
     def __init__(self, config: MlflowConfig) -> None:
         self.config = config
@@ -135,27 +146,34 @@ class MlflowExporter(BaseExporter):
     def exclusive(self, record: PointRecord) -> str | None:
         return None if self.config.run_id else f"mlflow-{record.run}"
 
-    def export(self, record: PointRecord) -> None:
-        from mlflow import MlflowClient  # mlflow: optional extra, slow import
-        from mlflow.entities import Metric
-
+    def parcel(self, record: PointRecord) -> Parcel:
         merged: dict[str, float] = {}
         for r in record.rows:
             merged.update(r.metrics)
-        now = int(time.time() * 1000)
-        metrics = [Metric(mlflow_key(k), float(v), now, record.step) for k, v in merged.items()]
-        own = (self.config.tracking_uri, self.config.experiment, record.run)
+        tables: dict[str, Any] = {}
+        if record.measured and record.samples is not None and self.config.samples_per_dataset > 0:
+            for ds, (columns, data) in first_samples(record.samples.rows, self.config.samples_per_dataset).items():
+                tables[samples_artifact(record.step, ds)] = json.dumps({"columns": columns, "data": data}, default=str)
+        body = {"run": record.run, "step": record.step, "time_ms": int(time.time() * 1000),
+                "metrics": {mlflow_key(k): float(v) for k, v in merged.items()}, "tables": tables}
+        return Parcel(exporter=self.name, config=plain_config(self.config), lock=self.exclusive(record), body=body)
+
+    def send(self, parcel: Parcel) -> None:
+        from mlflow import MlflowClient  # mlflow: optional extra, slow import
+        from mlflow.entities import Metric
+
+        body = parcel.body
+        run, step, now = body["run"], body["step"], body["time_ms"]
+        metrics = [Metric(k, v, now, step) for k, v in body["metrics"].items()]
+        own = (self.config.tracking_uri, self.config.experiment, run)
         with client_environment(self.config.environment()):
             client = MlflowClient(tracking_uri=self.config.tracking_uri)
-            run_id = self.config.run_id or _OWN_RUNS.get(own) or self.own_run(client, record.run)
+            run_id = self.config.run_id or _OWN_RUNS.get(own) or self.own_run(client, run)
             try:
                 for i in range(0, len(metrics), BATCH):
                     client.log_batch(run_id, metrics=metrics[i : i + BATCH])
-                if record.measured and record.samples is not None and self.config.samples_per_dataset > 0:
-                    n = self.config.samples_per_dataset
-                    for ds, (columns, data) in first_samples(record.samples.rows, n).items():
-                        table = json.dumps({"columns": columns, "data": data}, default=str)
-                        client.log_text(run_id, table, samples_artifact(record.step, ds))
+                for path, table in body["tables"].items():
+                    client.log_text(run_id, table, path)
                 if not self.config.run_id:
                     client.set_terminated(run_id, "FINISHED")
             except Exception:
@@ -194,4 +212,8 @@ def _build(settings: SinkSettings) -> MlflowExporter | None:
     return MlflowExporter(config) if config is not None else None
 
 
-register_exporter("mlflow", _build, order=32)
+def _restore(config: dict[str, Any]) -> MlflowExporter:
+    return MlflowExporter(MlflowConfig.model_validate(config))
+
+
+register_exporter("mlflow", _build, order=32, restore=_restore)

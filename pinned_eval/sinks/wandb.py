@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pinned_eval.sinks.exporters import BaseExporter, PointRecord, SinkSettings, register_exporter
+from pinned_eval.sinks.exporters import (
+    BaseExporter,
+    Parcel,
+    PointRecord,
+    SinkSettings,
+    plain_config,
+    register_exporter,
+)
 
 if TYPE_CHECKING:
     from pinned_eval.results.store import ResultsStore
@@ -143,7 +150,11 @@ class WandbConfig(BaseModel):
 
 
 class WandbExporter(BaseExporter):
+    """Deferrable: the parcel holds the merged metrics and the sample tables (read from the
+    samples file on the point), `send` is one `log_to_wandb`."""
+
     name = "wandb"
+    deferrable = True
 
     def __init__(self, config: WandbConfig, store: ResultsStore | None) -> None:
         self.config = config
@@ -154,20 +165,28 @@ class WandbExporter(BaseExporter):
             return None
         return f"wandb-{wandb_eval_run_id(self.config.run_id or record.run)}"
 
-    def export(self, record: PointRecord) -> None:
+    def parcel(self, record: PointRecord) -> Parcel:
         merged: dict[str, float] = {}
         for r in record.rows:
             merged.update(r.metrics)
+        tables = self.sample_tables(record.run, record.step) if record.measured else {}
+        body = {"metrics": merged, "run_id": self.config.run_id or record.run,
+                "label": f"pinned-eval-{record.run}-step-{record.step}",
+                "tables": {name: [columns, data] for name, (columns, data) in tables.items()}}
+        return Parcel(exporter=self.name, config=plain_config(self.config), lock=self.exclusive(record), body=body)
+
+    def send(self, parcel: Parcel) -> None:
+        body = parcel.body
         log_to_wandb(
-            merged,
+            body["metrics"],
             project=self.config.project,
-            run_id=self.config.run_id or record.run,
+            run_id=body["run_id"],
             entity=self.config.entity,
             mode=self.config.mode,
             directory=self.config.directory,
             writer=self.config.writer,
-            label=f"pinned-eval-{record.run}-step-{record.step}",
-            tables=self.sample_tables(record.run, record.step) if record.measured else {},
+            label=body["label"],
+            tables={name: (columns, data) for name, (columns, data) in body["tables"].items()},
         )
 
     def sample_tables(self, run: str, step: int) -> dict[str, tuple[list[str], list[list[Any]]]]:
@@ -202,4 +221,8 @@ def _build(settings: SinkSettings) -> WandbExporter | None:
     return WandbExporter(config, settings.results_store()) if config is not None else None
 
 
-register_exporter("wandb", _build, order=30)
+def _restore(config: dict[str, Any]) -> WandbExporter:
+    return WandbExporter(WandbConfig.model_validate(config), None)
+
+
+register_exporter("wandb", _build, order=30, restore=_restore)

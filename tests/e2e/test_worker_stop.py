@@ -28,11 +28,13 @@ from pinned_eval.local_socket import answers
 from pinned_eval.polling import poll_until
 from pinned_eval.processes import pid_alive
 from pinned_eval.sinks import JsonlSink
+from pinned_eval.sinks.outbox import Outbox
 from tests.conftest import free_port
 from tests.deploykit import REPO, prefect_cli
 from tests.eventkit import related_flow_runs, settled_events
 from tests.hosted_backends import read_lifecycle
 from tests.pointkit import SMALL_SUITE, PointEnv, save_point_blocks, write_step_snapshot
+from tests.wandb_offline import history_rows
 
 pytestmark = pytest.mark.e2e
 BACKEND = "tests.hosted_backends:LifecycleBackend"
@@ -99,10 +101,11 @@ def _up(cli: WorkerCli) -> bool:
     if cli.proc.poll() is not None:
         raise AssertionError(f"the CLI exited with {cli.proc.returncode}:\n{cli.log.read_text()}")
     st = cli.stack.state()
-    pids = (st.worker_pid, st.warm_pid, st.backend_host_pid)
+    pids = (st.worker_pid, st.warm_pid, st.backend_host_pid, st.deliverer_pid)
     if not all(pid and pid_alive(pid) for pid in pids):
         return False
-    return answers(cli.stack.warm_socket()) and cli.stack.backend_socket().exists() and bool(_workers_on(cli.pool))
+    return (answers(cli.stack.warm_socket()) and cli.stack.backend_socket().exists()
+            and Outbox(cli.stack.outbox()).served() and bool(_workers_on(cli.pool)))
 
 
 def _gone(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -137,7 +140,7 @@ def test_a_signal_stops_the_worker_its_fork_server_and_host_which_disposes_its_b
     st = worker_cli.stack.state()
     assert host_health(worker_cli.stack.backend_socket())["pid"] == st.backend_host_pid
     started = worker_cli.descendants()
-    assert {st.worker_pid, st.warm_pid, st.backend_host_pid} <= {p.pid for p in started}
+    assert {st.worker_pid, st.warm_pid, st.backend_host_pid, st.deliverer_pid} <= {p.pid for p in started}
 
     os.kill(worker_cli.proc.pid, signum)
     assert worker_cli.proc.wait(timeout=90) == 0, worker_cli.log.read_text()
@@ -147,7 +150,7 @@ def test_a_signal_stops_the_worker_its_fork_server_and_host_which_disposes_its_b
     assert [e["event"] for e in read_lifecycle(lifecycle)] == ["init", "pin", "evaluated", "dispose"]
     assert not worker_cli.stack.backend_socket().exists() and not worker_cli.stack.warm_socket().exists()
     after = worker_cli.stack.state()
-    assert (after.worker_pid, after.warm_pid, after.backend_host_pid) == (None, None, None)
+    assert (after.worker_pid, after.warm_pid, after.backend_host_pid, after.deliverer_pid) == (None,) * 4
 
 
 def test_a_sigkilled_cli_leaves_nothing_that_polls_the_pool(worker_cli: WorkerCli) -> None:
@@ -205,7 +208,16 @@ def test_a_point_measured_through_the_cli_worker_then_a_user_stop_leaves_nothing
 ) -> None:
     """The new-user walk's last steps: one point measured on the fleet through `pinned-eval worker`
     (its own pool: no other worker can take it), then the user's Ctrl-C-style stop: exit 0, and every
-    process it started (by PID) gone, nothing polling the pool."""
+    process it started (by PID) gone, nothing polling the pool.
+
+    Its trackers leave the point's path: W&B (offline files) and MLflow (nothing listens) are sent by
+    the worker's deliverer, so the point's state names no MLflow failure, while its ledger rows get
+    it afterwards and W&B holds the point's metrics at its step."""
+    from blocks import SinksBlock
+
+    SinksBlock(jsonl_path=str(point_env.jsonl), wandb_project="pinned-eval-tests", wandb_mode="offline",
+               wandb_dir=str(tmp_path / "wb"), mlflow_tracking_uri=f"http://127.0.0.1:{free_port()}").save(
+        point_env.blocks["sinks"], overwrite=True)
     snap = write_step_snapshot(tiny_model, str(tmp_path / "ckpt" / "step_3"))
     params = point_env.params(3, source={"kind": "hf", "path": snap})
     with get_client(sync_client=True) as c:
@@ -214,11 +226,19 @@ def test_a_point_measured_through_the_cli_worker_then_a_user_stop_leaves_nothing
                            timeout_s=240, interval_s=0.5,
                            what=lambda: f"the point to end; CLI log:\n{worker_cli.log.read_text()}")
     assert state.type.value == "COMPLETED", f"{state}; CLI log:\n{worker_cli.log.read_text()}"
-    rows = [r for r in JsonlSink(point_env.jsonl).read(point_env.run) if r.step == 3]
-    assert rows and {(r.state, r.weight_version) for r in rows} == {("measured", "3")}
+    assert "sink failed" not in str(state.message), state.message
+    rows = poll_until(lambda: [r for r in JsonlSink(point_env.jsonl).read(point_env.run) if r.step == 3
+                               and "mlflow" in r.sink_errors] or None, timeout_s=120, interval_s=0.5,
+                      what=lambda: f"the deliverer's MLflow note; CLI log:\n{worker_cli.log.read_text()}")
+    assert {(r.state, r.weight_version) for r in rows} == {("measured", "3")}
+    assert all(list(r.sink_errors) == ["mlflow"] and r.metrics["eval/sink_failed_mlflow"] == 1.0 for r in rows)
+    assert not any(Path(worker_cli.stack.outbox()).glob("*.json")), "the envelope is removed once noted"
+    merged = {k: v for r in rows for k, v in r.metrics.items() if not k.startswith("eval/sink_failed_")}
+    [logged] = history_rows(tmp_path / "wb")
+    assert logged == merged  # every ledger value, exactly, at the point's step
     started = worker_cli.descendants()
     st = worker_cli.stack.state()
-    assert {st.worker_pid, st.warm_pid, st.backend_host_pid} <= {p.pid for p in started}
+    assert {st.worker_pid, st.warm_pid, st.backend_host_pid, st.deliverer_pid} <= {p.pid for p in started}
 
     os.kill(worker_cli.proc.pid, signal.SIGINT)  # Ctrl-C
     assert worker_cli.proc.wait(timeout=90) == 0, worker_cli.log.read_text()
@@ -226,4 +246,4 @@ def test_a_point_measured_through_the_cli_worker_then_a_user_stop_leaves_nothing
     assert _gone(started) == [], "every process the CLI started is stopped before it exits"
     assert _pollers(worker_cli.pool) == []
     after = worker_cli.stack.state()
-    assert (after.worker_pid, after.warm_pid, after.backend_host_pid) == (None, None, None)
+    assert (after.worker_pid, after.warm_pid, after.backend_host_pid, after.deliverer_pid) == (None,) * 4
