@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from pinned_eval.points import BLOCK_NAME_RE
 
@@ -75,6 +75,19 @@ def parse_size(key: str, text: str) -> int:
     if not m:
         raise SpecError(key, f"{text!r} is not a size like 10GB, 512MiB or 1000000")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _sample_count(value: Any) -> Any:
+    """A samples-per-dataset count as typed: an int (a YAML number) or decimal digits (a flag),
+    never a bool, float or other text; its range is the field's (0 to 1000)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,12}", value):
+        return int(value)
+    raise ValueError("not a whole number from 0 to 1000")
+
+
+SampleCount = Annotated[int, BeforeValidator(_sample_count), Field(ge=0, le=1000)]
 
 
 class _Spec(BaseModel):
@@ -284,13 +297,14 @@ class SinksSpec(_Spec):
     wandb_writer: Literal["eval_run", "shared"] = "eval_run"
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     wandb_dir: Path | None = None
+    wandb_samples_per_dataset: SampleCount = 0  # the W&B samples table (needs a results root)
     # MLflow and TensorBoard (`_trackers`)
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = Field(default="pinned-eval", min_length=1)
     mlflow_run_id: str | None = None
     mlflow_username: str | None = None
     mlflow_credentials_from_env: bool = False
-    mlflow_samples_per_dataset: int = Field(default=0, ge=0, le=1000)
+    mlflow_samples_per_dataset: SampleCount = 0
     tensorboard: bool = False
     tensorboard_dir: Path | None = None
 
@@ -305,12 +319,17 @@ class SinksSpec(_Spec):
         if self.results_s3_bucket_block is not None:
             _one_bucket("results_s3_bucket_block", {"results_root": self.results_root,
                                                     "results_endpoint_url": self.results_endpoint_url})
+        if self.wandb_samples_per_dataset and not (self.results_root or self.results_s3_bucket_block):
+            raise SpecError("wandb_samples_per_dataset", "needs a results root (results_root or "
+                                                         "results_s3_bucket_block): the W&B table is read from "
+                                                         "the point's kept samples")
         try:
             return SinksBlock(
                 results_s3_bucket_block=self.results_s3_bucket_block,
                 jsonl_path=_abs(base, self.jsonl) if self.jsonl else None, wandb_project=self.wandb_project,
                 wandb_entity=self.wandb_entity, wandb_run_id=self.wandb_run_id, wandb_writer=self.wandb_writer,
                 wandb_mode=self.wandb_mode, wandb_dir=_abs(base, self.wandb_dir) if self.wandb_dir else None,
+                wandb_samples_per_dataset=self.wandb_samples_per_dataset,
                 results_root=_abs(base, self.results_root) if self.results_root else None,
                 results_endpoint_url=self.results_endpoint_url, **self._trackers(base),
             )

@@ -6,12 +6,15 @@ a flow run records what happened as small files in the worker's metrics director
 folds them into metrics at each scrape (`PointMetricsCollector`):
 
 - `events/<ns>-<pid>-<n>.json`: one per point outcome (run, outcome, reason, seconds) or pin
-  (fleet, seconds), written to a `.tmp-` name then renamed, so a scrape never reads half a file;
-  never rewritten; the next scrape sums it into `totals.json` and removes it, crash-safe
+  (fleet, seconds), written to a temp name `.tmp-p<pid>s<start>-...` then renamed, so a scrape
+  never reads half a file; a temp file is never counted, and a scrape removes one whose writer is
+  provably gone (killed before its rename; `prometheus_totals.sweep_temps`); never rewritten; the
+  next scrape sums it into `totals.json` and removes it, crash-safe
   (`pinned_eval.prometheus_totals`), so counts are exact and survive a worker restart (the
   directory stays) and a scrape reads only the events since the last one;
 - `inflight/<pid>-<n>.json`: one per point running now (its run), removed when it ends; the
-  file of a process that died without removing it (SIGKILL) is dropped at the next scrape.
+  file of a process that died without removing it (SIGKILL) is dropped at the next scrape, and
+  so is its temp file.
 
 The directory is a 0700 directory of this user, the whole path trusted
 (`pinned_eval.trusted_paths`): a neighbour can neither plant nor read an event; anything else is
@@ -43,6 +46,8 @@ from pinned_eval.prometheus_totals import (
     PointEvent,
     TotalsUnreadableError,
     fold,
+    sweep_temps,
+    temp_name,
 )
 from pinned_eval.trusted_paths import UntrustedPathError, make_private_dirs
 
@@ -75,7 +80,7 @@ def _recording_dir() -> Path | None:
 
 
 def _write_private(path: Path, payload: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = path.with_name(temp_name(path.name))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, payload.encode())
@@ -149,8 +154,13 @@ class PointMetricsCollector:
     def _unreadable(name: str, exc: Exception) -> None:
         log.warning("prometheus metrics: event %s unreadable: %s", name, exc)
 
+    @staticmethod
+    def _orphan(name: str) -> None:
+        log.warning("prometheus metrics: removed %s: its writer died before renaming it (not counted)", name)
+
     def in_flight(self) -> dict[str, int]:
-        """Points running now, per run; files of dead processes are removed."""
+        """Points running now, per run; files of dead processes are removed, and their temp files."""
+        sweep_temps(self.root / INFLIGHT, self._orphan)
         runs: dict[str, int] = {}
         for name in os.listdir(self.root / INFLIGHT):
             m = _NAME.match(name)
@@ -173,7 +183,7 @@ class PointMetricsCollector:
         private_metrics_dir(self.root)  # still this user's alone, 0700
         with self._lock:
             try:
-                totals = fold(self.root, self._unreadable)
+                totals = fold(self.root, self._unreadable, self._orphan)
             except (OSError, TotalsUnreadableError) as exc:  # nothing folded, nothing lost: one line, no traceback
                 log.error("prometheus metrics: scrape without point metrics: %s", exc)
                 totals = None

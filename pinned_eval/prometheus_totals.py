@@ -18,6 +18,18 @@ last scrape only.
 A `totals.json` that cannot be read (not ours, corrupt) is `TotalsUnreadableError`: nothing is
 folded or removed, so no event is lost; moving the file aside restarts the counts from the
 events still in `events/`.
+
+Temp files. A writer writes each event (and in-flight) file to `.tmp-p<pid>s<start>-<name>`
+(`temp_name`), then renames it to `<name>`: `<pid>` is the writing process and `<start>` its start
+time in clock ticks since boot (`/proc/<pid>/stat`, field 22), fixed for the life of a process
+and independent of the wall clock. A temp file is never read or counted. `sweep_temps` (each
+fold, under its lock, and each in-flight read) removes one whose writer is provably gone: no
+process `<pid>`, or a process `<pid>` that started at another tick (the PID was reused). A live
+writer always matches its own name, so its temp file is never removed; a dead writer whose PID
+was reused by a process started in the same tick is only kept until that process ends too. The
+event of a writer killed (SIGKILL) between writing its temp file and renaming it is lost, never
+half counted. Without `/proc` (`<start>` 0) a temp file is removed once no process `<pid>`
+exists. Writer and scraper share one PID namespace (one host, as the worker and its flow runs).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import fcntl
 import itertools
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +52,10 @@ Outcome = Literal["measured", "skipped", "failed"]
 POINT_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, math.inf)
 PIN_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, math.inf)
 _MAX_EVENT = 65536
+TMP_PREFIX = ".tmp-"
+_TMP_NAME = re.compile(r"^\.tmp-p([1-9][0-9]*)s([0-9]+)-")  # .tmp-p<pid>s<start>-<name>
+_PROC = os.path.exists("/proc/self/stat")
+_me: tuple[int, int] = (0, 0)  # (pid, start ticks) of this process, read once per process
 
 
 class TotalsUnreadableError(ValueError):
@@ -173,15 +190,71 @@ def _read_event(path: Path) -> PointEvent:
         return PointEvent.model_validate_json(f.read(_MAX_EVENT))
 
 
-def fold(root: Path, on_unreadable: Callable[[str, Exception], None]) -> Totals:
+def _start_ticks(pid: int) -> int | None:
+    """Start time of process `pid` in clock ticks since boot; None when no such process exists."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # pid (comm) state ppid ...: comm may hold spaces and parentheses; starttime is field 22
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def temp_name(name: str) -> str:
+    """The temp name under which this process writes `name` before renaming it (module docstring)."""
+    global _me
+    pid = os.getpid()
+    if _me[0] != pid:  # first call, or a forked child
+        try:
+            start = _start_ticks(pid) if _PROC else None
+        except (OSError, ValueError, IndexError):
+            start = None
+        _me = (pid, start or 0)
+    return f"{TMP_PREFIX}p{pid}s{_me[1]}-{name}"
+
+
+def _writer_gone(pid: int, start: int) -> bool:
+    if _PROC and start:
+        try:
+            return _start_ticks(pid) != start
+        except (OSError, ValueError, IndexError):
+            return False  # unreadable: not provably gone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # another user's process: alive
+    return False
+
+
+def sweep_temps(directory: Path, on_orphan: Callable[[str], None] | None = None) -> None:
+    """Remove the temp files in `directory` whose writer is provably gone (module docstring);
+    `on_orphan(name)` for each one removed."""
+    for name in os.listdir(directory):
+        m = _TMP_NAME.match(name)
+        if m is not None and _writer_gone(int(m.group(1)), int(m.group(2))):
+            try:
+                os.unlink(directory / name)
+            except FileNotFoundError:
+                continue  # another sweep's
+            if on_orphan is not None:
+                on_orphan(name)
+
+
+def fold(root: Path, on_unreadable: Callable[[str, Exception], None],
+         on_orphan: Callable[[str], None] | None = None) -> Totals:
     """Fold the new event files of `root/events` into `root/totals.json` and return the totals
     (steps in the module docstring); `on_unreadable(name, error)` for an event that cannot be
-    read (counted in `unreadable`, removed like the others)."""
+    read (counted in `unreadable`, removed like the others); the temp files of dead writers are
+    removed, never counted (`sweep_temps`, `on_orphan(name)` for each)."""
     events = root / EVENTS
     lock = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         totals, folded = _load(root)
+        sweep_temps(events, on_orphan)
         folded = [name for name in folded if not _remove(events / name)]
         skip = set(folded)
         new: list[str] = []

@@ -191,6 +191,9 @@ def save_sinks(
     wandb_writer: Annotated[str, typer.Option("--wandb-writer", help="eval_run or shared.")] = "eval_run",
     wandb_mode: Annotated[str, typer.Option("--wandb-mode", help="offline, online or disabled.")] = "offline",
     wandb_dir: Annotated[Path | None, typer.Option("--wandb-dir", help="W&B's local files.")] = None,
+    wandb_samples_per_dataset: Annotated[str, typer.Option("--wandb-samples-per-dataset", metavar="N",
+                                                           help="Samples per dataset in the point's W&B table "
+                                                           "(0 to 1000; needs a results root).")] = "0",
     results_root: Annotated[str | None, typer.Option("--results-root", help="Keep every point's samples "
                                                      "(Parquet) under this directory or s3://bucket/prefix: "
                                                      "`compare` and `rescore` read them.")] = None,
@@ -209,8 +212,9 @@ def save_sinks(
     mlflow_credentials_from_env: Annotated[bool, typer.Option("--mlflow-credentials-from-env", help="Store "
                                            "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD of this "
                                            "shell (as secrets).")] = False,
-    mlflow_samples_per_dataset: Annotated[int, typer.Option("--mlflow-samples-per-dataset", help="Samples per "
-                                                            "dataset in the point's MLflow table.")] = 0,
+    mlflow_samples_per_dataset: Annotated[str, typer.Option("--mlflow-samples-per-dataset", metavar="N",
+                                                            help="Samples per dataset in the point's MLflow "
+                                                            "table (0 to 1000).")] = "0",
     tensorboard: Annotated[bool, typer.Option("--tensorboard", help="TensorBoard scalars in "
                                               "<results-root>/<run>/tensorboard.")] = False,
     tensorboard_dir: Annotated[Path | None, typer.Option("--tensorboard-dir", help="The trainer's TensorBoard "
@@ -221,7 +225,8 @@ def save_sinks(
     _save("sinks", name, {
         "jsonl": jsonl, "wandb_project": wandb_project, "wandb_entity": wandb_entity,
         "wandb_run_id": wandb_run_id, "wandb_writer": wandb_writer, "wandb_mode": wandb_mode,
-        "wandb_dir": wandb_dir, "results_root": results_root, "results_endpoint_url": results_endpoint_url,
+        "wandb_dir": wandb_dir, "wandb_samples_per_dataset": wandb_samples_per_dataset,
+        "results_root": results_root, "results_endpoint_url": results_endpoint_url,
         "results_s3_bucket_block": results_s3_bucket_block,
         "mlflow_tracking_uri": mlflow_tracking_uri, "mlflow_experiment": mlflow_experiment,
         "mlflow_run_id": mlflow_run_id, "mlflow_username": mlflow_username,

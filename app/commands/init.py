@@ -54,8 +54,10 @@ sinks:                       # where metrics go besides the Prefect UI
   # results_s3_bucket_block: my-bucket  # or a prefect-aws S3Bucket block as the results root
   # wandb_project: my-project
   # wandb_mode: offline      # offline, online or disabled
+  # wandb_samples_per_dataset: 8   # samples per dataset in the W&B table (0 to 1000; needs results_root)
   # mlflow_tracking_uri: http://127.0.0.1:5000   # MLflow (pip install 'pinned-eval[mlflow]')
   # mlflow_run_id: <the training run's MLflow run id>   # unset: a run <run>-eval of its own
+  # mlflow_samples_per_dataset: 8  # samples per dataset in the MLflow table artifact (0 to 1000)
   # tensorboard_dir: runs/exp1   # the trainer's TensorBoard logdir (pip install 'pinned-eval[tensorboard]')
 """
 

@@ -207,3 +207,30 @@ def test_results_root_is_a_flag_and_a_key_and_a_later_apply_names_what_it_resets
     assert cli("block", "apply", "p.yaml", "--name", name) == (
         0, f"replaced sinks block {name!r}; reset to default: results_root (was \"{tmp_path / 'kept'}\")\n")
     assert SinksBlock.load(name).results_root is None
+
+
+def test_sample_table_counts_are_flags_and_keys_read_back_from_the_server(
+    prefect_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    name = f"w-{uuid.uuid4().hex[:6]}"
+
+    def saved() -> tuple[int, int]:
+        block = SinksBlock.load(name)
+        return block.wandb_samples_per_dataset, block.mlflow_samples_per_dataset  # type: ignore[attr-defined]
+
+    assert cli("block", "save", "sinks", name, "--results-root", "res", "--wandb-samples-per-dataset", "7",
+               "--mlflow-samples-per-dataset", "9") == (0, f"saved sinks block {name!r}\n")
+    assert saved() == (7, 9)
+    code, out = cli("block", "save", "sinks", name, "--results-root", "res", "--wandb-samples-per-dataset", "x7",
+                    "--overwrite")
+    assert (code, out) == (2, "error: --wandb-samples-per-dataset: not a whole number from 0 to 1000 (got 'x7')\n")
+    assert saved() == (7, 9), "a refused save changes nothing"
+    (tmp_path / "p.yaml").write_text("sinks:\n  results_root: res\n  wandb_samples_per_dataset: 1000\n"
+                                     "  mlflow_samples_per_dataset: 9\n")
+    assert cli("block", "apply", "p.yaml", "--name", name) == (0, f"replaced sinks block {name!r}\n")
+    assert saved() == (1000, 9)
+    (tmp_path / "p.yaml").write_text("sinks:\n  results_root: res\n  mlflow_samples_per_dataset: 9\n")
+    assert cli("block", "apply", "p.yaml", "--name", name) == (
+        0, f"replaced sinks block {name!r}; reset to default: wandb_samples_per_dataset (was 1000)\n")
+    assert saved() == (0, 9)

@@ -71,6 +71,19 @@ def data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
      "--wandb-writer: 'shared' writes into the live training run: it needs --wandb-mode online"),
     (["sinks", "default", "--wandb-mode", "loud"],
      "--wandb-mode: Input should be 'online', 'offline' or 'disabled' (got 'loud')"),
+    (["sinks", "default", "--results-root", "r", "--wandb-samples-per-dataset", "-1"],
+     "--wandb-samples-per-dataset: Input should be greater than or equal to 0 (got '-1')"),
+    (["sinks", "default", "--results-root", "r", "--wandb-samples-per-dataset", "1001"],
+     "--wandb-samples-per-dataset: Input should be less than or equal to 1000 (got '1001')"),
+    (["sinks", "default", "--results-root", "r", "--wandb-samples-per-dataset", "many"],
+     "--wandb-samples-per-dataset: not a whole number from 0 to 1000 (got 'many')"),
+    (["sinks", "default", "--results-root", "r", "--wandb-samples-per-dataset", "2.5"],
+     "--wandb-samples-per-dataset: not a whole number from 0 to 1000 (got '2.5')"),
+    (["sinks", "default", "--wandb-samples-per-dataset", "4"],
+     "--wandb-samples-per-dataset: needs a results root (results_root or results_s3_bucket_block): the W&B table "
+     "is read from the point's kept samples"),
+    (["sinks", "default", "--mlflow-samples-per-dataset", "+3"],
+     "--mlflow-samples-per-dataset: not a whole number from 0 to 1000 (got '+3')"),
 ])
 def test_save_refusals_name_the_flag(data: Path, args: list[str], message: str) -> None:
     code, out = cli("block", "save", *args)
@@ -124,6 +137,10 @@ def test_flags_build_the_blocks_a_python_user_would_save(data: Path) -> None:
         str(data / "st"), [str(data / "ckpt"), "s3://b/c"], 1)
     sinks = build_block("sinks", {"jsonl": "m.jsonl"}, data, "x")
     assert isinstance(sinks, SinksBlock) and sinks.jsonl_path == str(data / "m.jsonl")
+    samples = build_block("sinks", {"results_root": "r", "wandb_samples_per_dataset": "7",
+                                    "mlflow_samples_per_dataset": 1000}, data, "x")
+    assert isinstance(samples, SinksBlock)
+    assert (samples.wandb_samples_per_dataset, samples.mlflow_samples_per_dataset) == (7, 1000)
 
 
 def test_init_writes_a_config_that_builds_every_block_and_never_overwrites(tmp_path: Path) -> None:
@@ -142,6 +159,16 @@ def test_init_writes_a_config_that_builds_every_block_and_never_overwrites(tmp_p
         "sample", proj / "data" / "sample.jsonl", "exact_match", 8, 0.0)
     assert isinstance(built["staging"], StagingBlock) and built["staging"].root == str(proj / ".pinned-eval/staging")
     assert isinstance(built["fleet"], FleetBlock) and built["fleet"].mode == "launch"
+    assert isinstance(built["sinks"], SinksBlock) and built["sinks"].wandb_samples_per_dataset == 0
+    text = (proj / "pinned-eval.yaml").read_text()  # the commented sample-table keys, switched on as shown
+    for key in ("results_root", "wandb_project", "wandb_samples_per_dataset", "mlflow_samples_per_dataset"):
+        text = text.replace(f"  # {key}: ", f"  {key}: ", 1)
+    (proj / "on.yaml").write_text(text)
+    sinks = build_block("sinks", load_project_config(proj / "on.yaml")["sinks"], proj, "default")
+    assert isinstance(sinks, SinksBlock)
+    assert (sinks.results_root, sinks.wandb_project, sinks.wandb_samples_per_dataset,
+            sinks.mlflow_samples_per_dataset) == (str(proj / ".pinned-eval/results"), "my-project", 8, 8)
+    (proj / "on.yaml").unlink()
     before = (proj / "eval.yaml").read_text()
     (proj / "eval.yaml").write_text(before + "# mine\n")
     code, out = cli("init", str(proj))
@@ -158,6 +185,17 @@ def test_init_writes_a_config_that_builds_every_block_and_never_overwrites(tmp_p
     ("staging:\n  root: st\n  keeps: 1\n", "{f}: staging.keeps: not a known key"),
     ("staging:\n  root: st\n  keep: -1\n", "{f}: staging.keep: Input should be greater than or equal to 0 (got -1)"),
     ("suite:\n  from_yaml: e.yaml\n", "{f}: suite.from_yaml: {d}/e.yaml: no such file"),
+    ("sinks:\n  results_root: r\n  wandb_samples_per_dataset: -2\n",
+     "{f}: sinks.wandb_samples_per_dataset: Input should be greater than or equal to 0 (got -2)"),
+    ("sinks:\n  results_root: r\n  wandb_samples_per_dataset: 5000\n",
+     "{f}: sinks.wandb_samples_per_dataset: Input should be less than or equal to 1000 (got 5000)"),
+    ("sinks:\n  results_root: r\n  wandb_samples_per_dataset: lots\n",
+     "{f}: sinks.wandb_samples_per_dataset: not a whole number from 0 to 1000 (got 'lots')"),
+    ("sinks:\n  results_root: r\n  wandb_samples_per_dataset: true\n",
+     "{f}: sinks.wandb_samples_per_dataset: not a whole number from 0 to 1000 (got True)"),
+    ("sinks:\n  wandb_samples_per_dataset: 2\n",
+     "{f}: sinks.wandb_samples_per_dataset: needs a results root (results_root or results_s3_bucket_block): the "
+     "W&B table is read from the point's kept samples"),
     ("- 1\n", "{f}: expected sections suite, fleet, staging, sinks (a mapping), got list"),
 ])
 def test_apply_refusals_name_the_file_and_key(data: Path, text: str, message: str) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -177,3 +180,108 @@ def test_a_totals_file_that_is_a_symlink_is_never_followed(root: Path, tmp_path:
     [line] = [r.getMessage() for r in caplog.records]
     assert "unreadable: [Errno 40] Too many levels of symbolic links" in line
     assert len(os.listdir(root / "events")) == 2 and elsewhere.read_text().endswith("1000]]}")
+
+
+# A flow-run process that writes its event (or in-flight) temp file, says its name and waits: on
+# `go` it renames it; killed meanwhile, it leaves the temp file behind.
+WRITER = textwrap.dedent("""
+    import os, sys
+    from pinned_eval import prometheus as prom
+    real_rename = os.rename
+    def rename(src, dst):
+        print(os.path.basename(src), flush=True)
+        if sys.stdin.readline() == "go\\n":
+            real_rename(src, dst)
+    prom.os.rename = rename
+    if sys.argv[1] == "event":
+        prom.point_ended("exp", "measured", "", 3.0)
+    else:
+        prom.InFlight("exp").start()
+    print("done", flush=True)
+""")
+ONE_SKIP = {
+    "pinned_eval_points_total/skipped/busy/exp": 1.0,
+    "pinned_eval_point_duration_seconds_count/skipped/exp": 1.0,
+    "pinned_eval_point_duration_seconds_sum/skipped/exp": 1.0,
+    "pinned_eval_pin_duration_seconds_count/fleet": 1.0, "pinned_eval_pin_duration_seconds_sum/fleet": 2.0,
+    "pinned_eval_metrics_unreadable_events_total/": 0.0,
+}
+
+
+def start_writer(what: str) -> tuple[subprocess.Popen[str], str]:
+    """A writer stopped between writing its temp file and renaming it, and that file's name."""
+    child = subprocess.Popen([sys.executable, "-c", WRITER, what], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert child.stdout is not None
+    return child, child.stdout.readline().strip()
+
+
+def test_a_live_writers_temp_file_survives_a_scrape_uncounted(root: Path) -> None:
+    record(1)
+    child, tmp = start_writer("event")
+    try:
+        assert re.fullmatch(rf"\.tmp-p{child.pid}s[0-9]+-[0-9]{{20}}-{child.pid}-0\.json", tmp), tmp
+        assert counts(root) == ONE_SKIP, "the temp file is not counted"
+        assert os.listdir(root / "events") == [tmp], "nor removed: its writer lives"
+        assert prom.PointMetricsCollector(root).in_flight() == {}
+        assert child.communicate("go\n", timeout=120) == ("done\n", None)  # the writer renames it
+    finally:
+        child.kill()
+        child.wait()
+    assert counts(root) == {**ONE_SKIP, "pinned_eval_points_total/measured//exp": 1.0,
+                            "pinned_eval_point_duration_seconds_count/measured/exp": 1.0,
+                            "pinned_eval_point_duration_seconds_sum/measured/exp": 3.0}
+    assert os.listdir(root / "events") == []
+
+
+@pytest.mark.parametrize("what", ["event", "inflight"])
+def test_the_temp_file_of_a_writer_killed_before_its_rename_is_removed_uncounted(
+    root: Path, what: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    record(1)
+    child, tmp = start_writer(what)
+    assert tmp.startswith(f".tmp-p{child.pid}s"), tmp
+    assert tmp in os.listdir(root / ("events" if what == "event" else "inflight"))
+    child.kill()  # SIGKILL: no rename, no cleanup
+    assert child.wait(timeout=120) == -signal.SIGKILL
+    with caplog.at_level(logging.WARNING, logger="pinned_eval.prometheus"):
+        assert counts(root) == ONE_SKIP
+    assert [r.getMessage() for r in caplog.records] == [
+        f"prometheus metrics: removed {tmp}: its writer died before renaming it (not counted)"]
+    assert os.listdir(root / "events") == [] and os.listdir(root / "inflight") == []
+
+
+def test_a_temp_file_is_removed_only_when_its_writer_is_provably_gone(root: Path) -> None:
+    """A live PID with another start time is a reused PID: its writer is gone. Names that are not
+    ours to judge stay."""
+    me = os.getpid()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    own = totals_mod.temp_name("1-1-1.json")
+    start = int(own.split("-")[1].partition("s")[2])
+    assert own == f".tmp-p{me}s{start}-1-1-1.json" and start > 0
+    names = {own: True, f".tmp-p{me}s{start + 1}-a.json": False, f".tmp-p{me}s0-b.json": True,
+             f".tmp-p{dead.pid}s{start}-c.json": False, f".tmp-p{dead.pid}s0-d.json": False,
+             ".tmp-p0s1-e.json": True, ".tmp-1-2-3.json": True, ".tmp-abc": True}
+    for name in names:
+        (root / "events" / name).write_text("{not json")
+    assert counts(root)["pinned_eval_metrics_unreadable_events_total/"] == 0.0, "no temp file is read"
+    assert sorted(os.listdir(root / "events")) == sorted(n for n, kept in names.items() if kept)
+
+
+def test_a_start_time_is_read_past_a_process_name_with_spaces_and_parentheses(tmp_path: Path) -> None:
+    import psutil
+
+    odd = tmp_path / "w) 7 8 (x"  # the process name `comm` that /proc/<pid>/stat shows in parentheses
+    shutil.copy("/bin/sleep", odd)
+    child = subprocess.Popen([str(odd), "600"])
+    try:
+        ticks = totals_mod._start_ticks(child.pid)
+        assert ticks is not None and psutil.Process(child.pid).name() == odd.name
+        assert abs(psutil.boot_time() + ticks / os.sysconf("SC_CLK_TCK")
+                   - psutil.Process(child.pid).create_time()) < 0.05
+        assert not totals_mod._writer_gone(child.pid, ticks) and totals_mod._writer_gone(child.pid, ticks + 1)
+    finally:
+        child.kill()
+        child.wait()
+    assert totals_mod._start_ticks(child.pid) is None
