@@ -1,5 +1,9 @@
 """Eval suite configuration: datasets, sampling, rewards, and miles-compatible YAML.
 
+The suite composes datasets; what one dataset is lives in `pinned_eval.datasets` (`declared`:
+`DatasetSpec`, `SamplingDefaults`, `SamplingFallbacks` and their per-dataset and per-kind checks;
+`spec`: `ResolvedDataset`; `loader`: rows). Those names are importable from here too.
+
 Contract:
 - `DatasetSpec` fields left `None` inherit. Precedence per field (miles `_resolve_eval_datasets`):
   dataset value > suite `defaults` > suite `fallbacks` (the analogue of miles' `--eval-*` /
@@ -11,9 +15,9 @@ Contract:
   keys pinned-eval does not implement are rejected by key path rather than silently ignored.
   `delegate` entries become `EvalSuite.delegates` (`pinned_eval.delegate`, docs/harnesses.md).
 - Prompts are rendered for the engine by `pinned_eval.prompts` (chat template, system prompt).
-- Datasets are their own package: `pinned_eval.datasets.spec.ResolvedDataset` (what tasks consume)
-  and `pinned_eval.datasets.loader.load_dataset` (rows). They are re-exported here for one release
-  (outside code may import them from the suite); new code imports them from `pinned_eval.datasets`.
+- `DatasetError`, `EvalSample`, `ResolvedDataset` and `load_dataset` are re-exported here for one
+  release (outside code may import them from the suite); new code imports them from
+  `pinned_eval.datasets`.
 - Cadence (prime-rl's per-environment `interval` and `num_examples`): a dataset with
   `every_n_steps: N` is due at the steps that are multiples of N, one without it at every point;
   the final point runs every dataset (`EvalSuite.due_at`). `num_examples` is accepted as another
@@ -30,27 +34,17 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pinned_eval.datasets.declared import DatasetSpec, SamplingDefaults, SamplingFallbacks
 from pinned_eval.datasets.loader import DatasetError, EvalSample, load_dataset
-from pinned_eval.datasets.spec import (
-    BUILTIN_DIR,
-    BUILTIN_PREFIX,
-    DATASET_NAME_PATTERN,
-    DatasetKind,
-    LmEvalModel,
-    LmEvalTaskName,
-    ResolvedDataset,
-    RewardName,
-    ToolCallParser,
-)
+from pinned_eval.datasets.spec import BUILTIN_DIR, BUILTIN_PREFIX, ResolvedDataset
 from pinned_eval.delegate.config import DelegateSpec
-from pinned_eval.harness.extra import require_lm_eval
 from pinned_eval.miles_config import MilesEvalConfig, parse_miles_eval_config
-from pinned_eval.plugins import ImportPath, is_import_path
+from pinned_eval.plugins import is_import_path
 from pinned_eval.scoring.remote import RemoteRewardConfig
 from pinned_eval.scoring.rewards import REMOTE_REWARD, check_reward_name
 
-# DatasetError, EvalSample, ResolvedDataset and load_dataset live in pinned_eval.datasets; they stay
-# importable from here for one release (re-exports) because code outside this repository may import them.
+# DatasetSpec, SamplingDefaults and SamplingFallbacks are the suite's parts (pinned_eval.datasets.declared);
+# DatasetError, EvalSample, ResolvedDataset and load_dataset stay importable from here for one release.
 __all__ = [
     "DatasetError",
     "DatasetSpec",
@@ -66,220 +60,6 @@ __all__ = [
 
 NO_DATASET_DUE = "no_dataset_due"  # the skip reason of a point at which no dataset is due
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class _SamplingFields(BaseModel):
-    """The inheritable fields; `None` means "inherit from the next level"."""
-
-    model_config = _FROZEN
-
-    input_key: str | None = Field(
-        default=None, min_length=1, description="Row key of the prompt (fallback 'prompt')."
-    )
-    label_key: str | None = Field(
-        default=None, min_length=1, description="Row key of the label (fallback 'label')."
-    )
-    n_samples_per_prompt: int | None = Field(
-        default=None, ge=1, description="Responses generated per prompt."
-    )
-    temperature: float | None = Field(default=None, ge=0, description="Sampling temperature; 0 is greedy.")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int | None = Field(
-        default=None, ge=-1, description="Top-k sampling; -1 disables it (SGLang's convention)."
-    )
-    max_new_tokens: int | None = Field(
-        default=None, ge=1, description="Max generated tokens (miles: max_response_len)."
-    )
-    stop: tuple[str, ...] | None = Field(default=None, description="Stop strings passed to the engine.")
-    reward: RewardName | None = Field(
-        default=None,
-        description="Reward: exact_match | math | f1 | deepscaler | dapo | gpqa | remote_rm | custom:<mod:fn>.",
-    )
-    max_prompts: int | None = Field(
-        default=None, ge=1, description="Use only the first N prompts of the file."
-    )
-    apply_chat_template: bool | None = Field(
-        default=None, description="Render prompts with the model's chat template (fallback False)."
-    )
-    apply_chat_template_kwargs: dict[str, Any] | None = Field(
-        default=None, description="Extra keywords of the chat template (e.g. enable_thinking: false)."
-    )
-    system_prompt: str | None = Field(
-        default=None, description="System message put first in templated prompts that have none."
-    )
-    metadata_key: str | None = Field(
-        default=None,
-        min_length=1,
-        description="Row key of a metadata object (fallback: every column but prompt and label).",
-    )
-    metadata_overrides: dict[str, Any] | None = Field(
-        default=None, description="Keys set on every row's metadata (miles metadata_overrides)."
-    )
-    generate_function: ImportPath | None = Field(
-        default=None, description="miles custom_generate_function_path (module.function); unset: single turn."
-    )
-    tool_key: str | None = Field(
-        default=None, min_length=1, description="Row key of the tool specs (miles tool_key; fallback 'tools')."
-    )
-    generate_max_turns: int | None = Field(default=None, ge=1, description="miles --generate-max-turns.")
-    generate_tool_specs_path: ImportPath | None = Field(default=None, description="miles --generate-tool-specs-path.")
-    generate_execute_tool_function_path: ImportPath | None = Field(
-        default=None, description="miles --generate-execute-tool-function-path."
-    )
-    generate_tool_call_parser: ToolCallParser | None = Field(
-        default=None, description="miles --generate-tool-call-parser (qwen25 | hermes)."
-    )
-    custom_agent_function_path: ImportPath | None = Field(
-        default=None, description="miles --custom-agent-function-path."
-    )
-    # the point gateway's limits (docs/agentic.md): one gateway serves every agentic dataset of a point
-    agent_max_requests: int | None = Field(default=None, ge=1, description="Model calls per point (gateway budget).")
-    agent_max_tokens: int | None = Field(default=None, ge=1, description="Prompt + completion tokens per point.")
-    agent_max_turns: int | None = Field(default=None, ge=1, description="Model calls per agentic sample.")
-    agent_max_tokens_per_sample: int | None = Field(default=None, ge=1, description="Tokens per agentic sample.")
-    agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
-    agent_sample_timeout_s: float | None = Field(
-        default=None, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
-    )
-    python_path: tuple[str, ...] | None = Field(
-        default=None,
-        description="Import roots of generate functions (relative: against the YAML's directory); "
-        "unset: the YAML's directory.",
-    )
-    miles_python: str | None = Field(
-        default=None, min_length=1, description="Python interpreter that runs generate functions (a miles venv's)."
-    )
-    reward_key: str | None = Field(
-        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
-    )
-    eval_reward_key: str | None = Field(
-        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _num_examples(cls, data: Any) -> Any:
-        """`num_examples` (prime-rl's name) is `max_prompts`."""
-        if isinstance(data, dict) and "num_examples" in data:
-            data = dict(data)
-            if data.get("max_prompts") is not None:
-                raise ValueError("num_examples: another name of max_prompts; set one of them")
-            data["max_prompts"] = data.pop("num_examples")
-        return data
-
-
-class SamplingDefaults(_SamplingFields):
-    """Suite-level defaults (miles `eval.defaults`): used where a dataset leaves a field unset."""
-
-
-class DatasetSpec(_SamplingFields):
-    """One eval dataset; unset fields inherit from the suite. `kind: lm_eval` names lm-eval tasks
-    instead of a file (`pinned_eval.harness`, docs/harnesses.md)."""
-
-    name: str = Field(pattern=DATASET_NAME_PATTERN, description="Slug used in metric keys: eval/<name>.")
-    path: str | None = Field(
-        default=None, min_length=1,
-        description="JSONL or Parquet file: absolute, relative, or builtin:<file> (required unless kind: lm_eval).",
-    )
-    every_n_steps: int | None = Field(
-        default=None,
-        ge=1,
-        description="Measure at steps that are multiples of N (and the final point); None: every point.",
-    )
-    kind: DatasetKind = Field(default="rows", description="rows: a JSONL/Parquet file; lm_eval: lm-eval tasks.")
-    tasks: tuple[LmEvalTaskName, ...] | None = Field(default=None, min_length=1, description="lm-eval task names.")
-    task_dir: str | None = Field(
-        default=None, min_length=1, description="Directory of local lm-eval task YAMLs (only these are looked up)."
-    )
-    lm_eval_model: LmEvalModel = Field(
-        default="local-completions",
-        description="lm-eval's OpenAI-compatible model (local-chat-completions: generation only).",
-    )
-    num_fewshot: int | None = Field(default=None, ge=0, description="lm-eval --num_fewshot; None: the task's.")
-
-    @model_validator(mode="after")
-    def _kind_fields(self) -> DatasetSpec:
-        if self.kind == "rows":
-            if self.path is None:
-                raise ValueError("path: required (a JSONL or Parquet file)")
-            extra = [f for f in ("tasks", "task_dir", "num_fewshot") if getattr(self, f) is not None]
-            if extra:
-                raise ValueError(f"{extra[0]}: only for kind: lm_eval")
-            return self
-        if self.tasks is None:
-            raise ValueError("tasks: required for kind: lm_eval (lm-eval task names)")
-        if self.path is not None:
-            raise ValueError("path: not used by kind: lm_eval (local task YAMLs go in task_dir)")
-        if self.generate_function is not None:
-            raise ValueError("generate_function: not used by kind: lm_eval (lm-eval produces its own requests)")
-        require_lm_eval(f"dataset {self.name!r} (kind: lm_eval)")
-        return self
-
-    def due(self, step: int, *, final: bool = False) -> bool:
-        """Whether this dataset is measured at `step` (always at the final point)."""
-        return final or self.every_n_steps is None or step % self.every_n_steps == 0
-
-
-class SamplingFallbacks(BaseModel):
-    """Last level of precedence (miles: the `--eval-*` then `--rollout-*` args). Every field concrete."""
-
-    model_config = _FROZEN
-
-    input_key: str = Field(default="prompt", min_length=1, description="Row key of the prompt.")
-    label_key: str = Field(default="label", min_length=1, description="Row key of the label.")
-    n_samples_per_prompt: int = Field(default=1, ge=1, description="Responses per prompt (miles default 1).")
-    temperature: float = Field(
-        default=1.0, ge=0, description="Sampling temperature (miles rollout default 1.0)."
-    )
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(default=-1, ge=-1, description="Top-k sampling; -1 disables it.")
-    max_new_tokens: int = Field(default=1024, ge=1, description="Max generated tokens per response.")
-    stop: tuple[str, ...] = Field(default=(), description="Stop strings.")
-    reward: RewardName = Field(default="exact_match", description="Reward function name.")
-    max_prompts: int | None = Field(default=None, ge=1, description="Prompt cap; None uses all prompts.")
-    apply_chat_template: bool = Field(default=False, description="Render prompts with the chat template.")
-    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Chat template keywords.")
-    system_prompt: str | None = Field(default=None, description="System message of templated prompts.")
-    metadata_key: str | None = Field(
-        default=None, description="Row key of a metadata object; None: every other column is metadata."
-    )
-    metadata_overrides: dict[str, Any] = Field(default_factory=dict, description="Keys set on every row's metadata.")
-    generate_function: ImportPath | None = Field(
-        default=None, description="miles --custom-generate-function-path: every dataset naming none uses it."
-    )
-    tool_key: str = Field(default="tools", min_length=1, description="miles --tool-key (default 'tools').")
-    generate_max_turns: int | None = Field(default=None, ge=1, description="miles --generate-max-turns.")
-    generate_tool_specs_path: ImportPath | None = Field(default=None, description="miles --generate-tool-specs-path.")
-    generate_execute_tool_function_path: ImportPath | None = Field(
-        default=None, description="miles --generate-execute-tool-function-path."
-    )
-    generate_tool_call_parser: ToolCallParser | None = Field(
-        default=None, description="miles --generate-tool-call-parser."
-    )
-    custom_agent_function_path: ImportPath | None = Field(
-        default=None, description="miles --custom-agent-function-path."
-    )
-    # the point gateway's limits (docs/agentic.md): one gateway serves every agentic dataset of a point
-    agent_max_requests: int | None = Field(default=None, ge=1, description="Model calls per point (gateway budget).")
-    agent_max_tokens: int | None = Field(default=None, ge=1, description="Prompt + completion tokens per point.")
-    agent_max_turns: int | None = Field(default=None, ge=1, description="Model calls per agentic sample.")
-    agent_max_tokens_per_sample: int | None = Field(default=None, ge=1, description="Tokens per agentic sample.")
-    agent_sample_wall_s: float | None = Field(default=None, gt=0, description="Seconds of model calls per sample.")
-    agent_sample_timeout_s: float = Field(
-        default=600.0, gt=0, description="Seconds a generate function may take per sample (then agent_error)."
-    )
-    python_path: tuple[str, ...] | None = Field(
-        default=None, description="Import roots of generate functions; None: the suite's base_dir (the YAML's)."
-    )
-    miles_python: str | None = Field(default=None, description="Interpreter that runs generate functions.")
-    reward_key: str | None = Field(
-        default=None, min_length=1, description="miles --reward-key: the scalar of a dict reward."
-    )
-    eval_reward_key: str | None = Field(
-        default=None, min_length=1, description="miles --eval-reward-key (default: reward_key)."
-    )
-
-
 _INHERITED = tuple(SamplingFallbacks.model_fields)
 GATEWAY_FIELDS = ("agent_max_requests", "agent_max_tokens", "agent_max_turns", "agent_max_tokens_per_sample",
                   "agent_sample_wall_s")

@@ -10,6 +10,8 @@
   same parameters and name. The snapshot must still be obtainable: a staged snapshot must be on
   staging and complete (it is taken out of the keep-ring so no other point deletes it meanwhile);
   megatron/state_dict/hf sources must still exist (the flow re-exports them).
+Both verbs reach Prefect through `app.commands.api.prefect_client`; `request`'s checks before
+sending are `app.commands.request_checks`.
 
 Exit codes: 0 done (with `--wait`: the point was measured); 1 the operation failed (no such point,
 still in flight, snapshot gone, Prefect unreachable, wait timed out); 2 bad input, refused before
@@ -21,22 +23,31 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, cast
 from uuid import UUID
 
-import httpx
 import typer
 from pydantic import ValidationError
 
-from app.commands._cli import STEP, fail, in_words
+from app.commands._cli import STEP, fail
+from app.commands.api import prefect_client
 from app.commands.errors import human_errors
+from app.commands.request_checks import (
+    BLOCK_FLAGS,
+    REQUEST_FLAGS,
+    SOURCE_KINDS,
+    absolute,
+    block_exists,
+    check_blocks,
+    check_local_paths,
+    check_source_roots,
+    parse_source,
+)
 from pinned_eval.events import BlockNames, point_event
 from pinned_eval.inflight import RETRYABLE, TERMINAL
 from pinned_eval.points import PointRequest, SnapshotSource, SourceKind, flow_run_name, outcome_of
 from pinned_eval.polling import PollTimeout, poll_until
-from pinned_eval.settings import AUTH_FILE_ENV, PrefectApiSettings, get_settings
 from pinned_eval.snapshot.layout import join, resolve
 from pinned_eval.snapshot.staging import RETIRED
 
@@ -45,18 +56,31 @@ if TYPE_CHECKING:
 
     from app.history import FlowRunRecord
 
+# the verbs, and what other verbs and tests import from here (the API client lives in `api`, the
+# request checks in `request_checks`; both stay importable from here)
+__all__ = [
+    "BLOCK_FLAGS",
+    "EXIT_FAILED",
+    "EXIT_SKIPPED",
+    "RunOpt",
+    "absolute",
+    "block_exists",
+    "check_source_roots",
+    "fail",
+    "no_worker_hint",
+    "parse_source",
+    "prefect_client",
+    "request",
+    "rerun",
+    "step_runs",
+    "untagged_runs",
+]
+
 DEFAULT_DEPLOYMENT = "eval-point/eval-point"
 WORK_POOL = "pinned-eval"  # the pool `pinned-eval deploy` creates and `pinned-eval worker` polls
-SOURCE_KINDS = ", ".join(k.value for k in SourceKind)  # --help and the errors say the same
 # `request --wait` / `rerun --wait` exit codes by the point's outcome (0: measured)
 EXIT_SKIPPED = 3
 EXIT_FAILED = 4
-# the flag naming each block a point loads, and that block's type slug
-BLOCK_FLAGS = {"suite": "pinned-eval-suite", "fleet": "pinned-eval-fleet", "staging": "pinned-eval-staging",
-               "sinks": "pinned-eval-sinks"}
-SOURCE_FLAGS = {"kind": "--source", "path": "--source", "hf_base": "--hf-base", "source": "--source"}
-REQUEST_FLAGS = {**SOURCE_FLAGS, "run": "--run", "step": "--step", "max_in_flight": "--max-in-flight",
-                 "policy": "--policy", "posture": "--posture", **{b: f"--{b}" for b in BLOCK_FLAGS}}
 
 RunOpt = Annotated[str, typer.Option("--run", help="Training run name, e.g. exp42.")]
 StepOpt = Annotated[int, typer.Option("--step", parser=STEP, help="Training step of the point.")]
@@ -65,172 +89,6 @@ TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Seconds --w
 DeploymentOpt = Annotated[
     str, typer.Option("--deployment", help="Deployment that runs new points (<flow>/<deployment>).")
 ]
-
-
-@contextlib.contextmanager
-def prefect_client() -> Iterator[SyncPrefectClient]:
-    """A sync client of the API, this process pointed at it while the block runs (flows run here
-    too); exit 2 when none is configured, 1 when unreachable.
-
-    The URL is `PREFECT_API_URL`, else the one `pinned-eval server up` recorded in the home; the
-    credential is `PREFECT_API_AUTH_STRING` or `PINNED_EVAL_API_AUTH_FILE`, else the home's
-    `api-auth`, sent only to the home's own server (never to another URL)."""
-    from prefect import get_client  # prefect: slow import; `pinned-eval --help` stays fast
-    from prefect.settings import get_current_settings  # prefect: slow import; `pinned-eval --help` stays fast
-
-    from app.prefect_server import use_server  # prefect: slow import; `pinned-eval --help` stays fast
-    from app.stack import LocalStack  # prefect: slow import; `pinned-eval --help` stays fast
-
-    stack = LocalStack(get_settings().home)
-    recorded = stack.state().api_url
-    current = get_current_settings().api
-    url = current.url or recorded
-    if not url:
-        fail("no Prefect API: run `pinned-eval server up`, or set PREFECT_API_URL "
-             "(e.g. `export PREFECT_API_URL=http://127.0.0.1:4200/api`)", 2)
-    try:
-        configured = current.auth_string or PrefectApiSettings().api_auth_string
-    except (OSError, ValueError) as exc:
-        fail(f"{AUTH_FILE_ENV}: {exc}", 2)
-    auth = configured.get_secret_value() if configured is not None else None
-    if auth is None and url == recorded and stack.auth_file.exists():
-        auth = stack.auth_string()
-    current_auth = current.auth_string.get_secret_value() if current.auth_string is not None else None
-    same = url == current.url and auth == current_auth  # nothing to change
-    check_reachable(url)
-    try:
-        with (contextlib.nullcontext() if same else use_server(url, auth_string=auth),
-              get_client(sync_client=True) as client):
-            try:
-                yield client
-            finally:
-                drain_events()
-    except httpx.TransportError as exc:
-        unreachable(url, exc)
-
-
-def unreachable(url: str, exc: BaseException) -> NoReturn:
-    """Exit 1: the API at `url` does not answer; say where the URL came from and how to start a server."""
-    stack_home = get_settings().home
-    from_home = os.environ.get("PREFECT_API_URL") != url
-    hint = (f" (the server {stack_home} recorded: is it up? `pinned-eval server up`)" if from_home else
-            " (PREFECT_API_URL): is that server up? `pinned-eval server up` starts this home's")
-    fail(f"cannot reach the Prefect API at {url}{hint}: {in_words(exc)}")
-
-
-def check_reachable(url: str) -> None:
-    """One plain `GET /health` (no retries) before the verb: a server that is down is one line naming
-    `pinned-eval server up` at once, whatever Prefect call the verb would have failed in, and after
-    however many retries."""
-    try:
-        httpx.get(f"{url.rstrip('/')}/health", timeout=10.0)
-    except httpx.TransportError as exc:
-        unreachable(url, exc)
-    except httpx.InvalidURL as exc:
-        fail(f"the Prefect API URL {url!r} is not a URL: {in_words(exc)}", 2)
-
-
-EVENTS_DRAIN_S = 5.0
-
-
-def drain_events() -> None:
-    """Send the events Prefect's client queued (a block load emits one) while this process still
-    points at the server, and stop its events thread: left to the interpreter's exit, the drain took
-    seconds and raced native threads' teardown (pyarrow's), aborting `compare` (exit 134,
-    "terminate called without an active exception") after it printed its answer."""
-    import logging
-
-    from prefect.events.worker import EventsWorker  # prefect: slow import; `pinned-eval --help` stays fast
-
-    quiet = logging.getLogger(EventsWorker.__name__)  # its "Still processing items: 1 items remaining..."
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        EventsWorker.drain_all(timeout=EVENTS_DRAIN_S)
-    finally:
-        quiet.setLevel(level)
-
-
-def parse_source(text: str, hf_base: str | None) -> SnapshotSource:
-    """`KIND:PATH` (e.g. `staged:/stage/exp42/step_00000120`, `hf:s3://b/p`) → a validated source
-    (exit 2 naming the flag when it is not one)."""
-
-    kind, sep, path = text.partition(":")
-    if not sep or not path or kind not in {k.value for k in SourceKind}:
-        fail(f"--source: {text!r} must be KIND:PATH with KIND one of {SOURCE_KINDS}", 2)
-    try:
-        return SnapshotSource(kind=kind, path=absolute(path), hf_base=absolute(hf_base))  # type: ignore[arg-type]
-    except ValidationError as exc:
-        fail(human_errors(exc, SOURCE_FLAGS), 2)
-
-
-def absolute(path: str | None) -> str | None:
-    """A local path made absolute here, where the user typed it (the worker runs in another
-    directory); URLs and None unchanged. Symlinks are kept (the worker's root check resolves them)."""
-    if path is None or "://" in path or "\x00" in path:
-        return path
-    return os.path.abspath(os.path.expanduser(path))
-
-
-def check_source_roots(client: SyncPrefectClient, source: SnapshotSource, staging: str) -> None:
-    """Exit 2 when `source` lies outside the staging block's source roots (the flow would refuse it
-    unread), before anything is sent; the message says how to declare a root."""
-    from pinned_eval.source_roots import SourceOutsideRoots, check_within_roots
-
-    doc = client.read_block_document_by_name(staging, BLOCK_FLAGS["staging"], include_secrets=False)
-    root = doc.data.get("root")
-    if doc.data.get("s3_bucket_block"):  # a prefect-aws S3Bucket names the root (its bucket and folder)
-        from prefect.exceptions import ObjectNotFound
-
-        from pinned_eval.aws_bucket import S3_BUCKET_SLUG, s3_bucket_url
-
-        name = str(doc.data["s3_bucket_block"])
-        try:
-            bucket = client.read_block_document_by_name(name, S3_BUCKET_SLUG, include_secrets=False)
-        except ObjectNotFound:
-            fail(f"--staging: staging block {staging!r} names the S3Bucket block {name!r}, which does not exist; "
-                 "nothing was sent", 2)
-        root = s3_bucket_url(bucket.data)
-    roots = [str(root), *map(str, doc.data.get("source_roots") or [])]
-    for flag, path in (("--source", source.path), ("--hf-base", source.hf_base)):
-        if path is None:
-            continue
-        try:
-            check_within_roots(path, roots, flag)
-        except SourceOutsideRoots:
-            fail(f"{flag}: {path} is outside the source roots of staging block {staging!r} ({', '.join(roots)}); "
-                 "nothing was sent. Move the checkpoint under one of them, or declare its directory: "
-                 "`source_root:` in pinned-eval.yaml then `pinned-eval block apply pinned-eval.yaml`, or "
-                 f"`pinned-eval block save staging {staging} --root ROOT --source-root DIR --overwrite`", 2)
-
-
-def check_local_paths(source: SnapshotSource) -> None:
-    """Exit 2 when a local path of `source` does not exist (URLs are the worker's to read)."""
-    for flag, path in (("--source", source.path), ("--hf-base", source.hf_base)):
-        if path and "\x00" in path:
-            fail(f"{flag}: a path cannot contain a NUL byte; nothing was sent", 2)
-        if path and "://" not in path and not os.path.exists(path):
-            fail(f"{flag}: {path} does not exist; nothing was sent", 2)
-
-
-def block_exists(client: SyncPrefectClient, kind: str, name: str) -> bool:
-    """Whether a `kind` block (a key of `BLOCK_FLAGS`) named `name` is saved on the server."""
-    from prefect.exceptions import ObjectNotFound  # prefect: slow import; `pinned-eval --help` stays fast
-
-    try:
-        client.read_block_document_by_name(name, BLOCK_FLAGS[kind], include_secrets=False)
-    except ObjectNotFound:
-        return False
-    return True
-
-
-def check_blocks(client: SyncPrefectClient, blocks: BlockNames) -> None:
-    """Exit 2, naming every flag whose block is not saved on the server, before anything is sent."""
-    missing = [f"--{kind}: no {slug} block named {getattr(blocks, kind)!r}" for kind, slug in BLOCK_FLAGS.items()
-               if not block_exists(client, kind, getattr(blocks, kind))]
-    if missing:
-        fail("; ".join(missing) + "; nothing was sent. Save the blocks first (`pinned-eval block save --help`), "
-             "or name saved ones", 2)
 
 
 def source_text(raw: object) -> str:

@@ -42,6 +42,8 @@ def test_a_suite_needing_lm_eval_without_it_is_refused_naming_the_extra(monkeypa
 @pytest.mark.parametrize(("fields", "message"), [
     ({"kind": "rows"}, "path: required (a JSONL or Parquet file)"),
     ({"kind": "rows", "path": "a.jsonl", "tasks": ("t",)}, "tasks: only for kind: lm_eval"),
+    ({"kind": "rows", "path": "a.jsonl", "task_dir": "t"}, "task_dir: only for kind: lm_eval"),
+    ({"kind": "rows", "path": "a.jsonl", "num_fewshot": 0}, "num_fewshot: only for kind: lm_eval"),
     ({"kind": "lm_eval"}, "tasks: required for kind: lm_eval (lm-eval task names)"),
     ({"kind": "lm_eval", "tasks": ("t",), "path": "a.jsonl"}, "path: not used by kind: lm_eval"),
     ({"kind": "lm_eval", "tasks": ("t",), "generate_function": "m.f"}, "generate_function: not used by kind: lm_eval"),
