@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -49,7 +48,7 @@ from pinned_eval.prometheus_totals import (
     sweep_temps,
     temp_name,
 )
-from pinned_eval.trusted_paths import UntrustedPathError, make_private_dirs
+from pinned_eval.trusted_paths import make_private_dir
 
 log = logging.getLogger(__name__)
 METRICS_DIR_ENV = "PINNED_EVAL_METRICS_DIR"
@@ -65,11 +64,7 @@ def private_metrics_dir(path: str | Path) -> Path:
     `UntrustedPathError` naming the path unless every one is this user's alone (mode 0700)."""
     root = Path(path)
     for d in (root, root / EVENTS, root / INFLIGHT):
-        make_private_dirs(str(d), "metrics directory")
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
-            raise UntrustedPathError(f"metrics directory {str(d)!r} refused: mode {stat.S_IMODE(st.st_mode):o}, "
-                                     "not 0700")
+        make_private_dir(str(d), "metrics directory")
     return root
 
 
