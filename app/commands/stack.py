@@ -77,7 +77,9 @@ def worker(
     warm-start server and the backend host this command started (the host disposes its backends),
     and exits 0. A flow run in flight gets SIGTERM first and is waited for: it ends Crashed and
     its snapshot is retired. If this command is SIGKILLed, the processes it started are killed with it
-    (parent-death signal): nothing is left taking points. With `--metrics-port`, this process
+    (parent-death signal): nothing is left taking points. The tracker deliverer beside it sends
+    the points' W&B and MLflow exports; those still waiting when it stops are named in one line
+    and sent by the next worker. With `--metrics-port`, this process
     serves the points' Prometheus metrics at `http://<metrics-host>:<port>/metrics` (printed to
     stderr as `metrics: URL`), read from `<home>/metrics` (docs/metrics.md)."""
     stack = _stack()
@@ -96,7 +98,16 @@ def worker(
     finally:
         if server is not None:
             server.shutdown()
+    _note_waiting_exports(stack.outbox())
     raise typer.Exit(code)
+
+
+def _note_waiting_exports(root: Path) -> None:
+    """One line when tracker exports were left in the outbox (the deliverer's drain time ran out)."""
+    waiting = len(list(root.glob("[0-9]*.json"))) if root.is_dir() else 0
+    if waiting:
+        typer.echo(f"{waiting} tracker export(s) (W&B, MLflow) wait in {root}: the next `pinned-eval worker` "
+                   "sends them", err=True)
 
 
 def _serve_metrics(root: Path, port: int, host: str) -> tuple[Any, dict[str, str]]:

@@ -13,6 +13,9 @@
   returns {name: error} for those that still failed; the log task notes them in the ledger. An
   exporter's `exclusive(record)` names a lock (limit 1) the caller holds around each attempt
   (`hold`: the Prefect side passes `tasks.admission.exclusive`). Only `Exception`s are caught.
+- A **deferrable** exporter (W&B, MLflow: remote trackers) is `parcel` (on the point) then `send`
+  (anywhere); under a worker, `outbox.defer` hands the parcels to the worker's deliverer
+  (`delivery.Deliverer`), which sends them off the point's path and notes failures in the ledger.
 """
 
 from __future__ import annotations

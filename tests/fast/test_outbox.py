@@ -241,3 +241,17 @@ def test_a_stopping_deliverer_sends_what_waits_within_its_drain_time(tmp_path: P
     Deliverer(outbox, drain_s=0).run(stop)  # no drain time: left for the next deliverer
     assert len(outbox.pending()) == 1
     assert json.loads(outbox.pending()[0].read_text())["step"] == 3
+
+
+def test_the_worker_command_names_exports_left_waiting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.commands.stack import _note_waiting_exports
+
+    outbox = Outbox(tmp_path / "outbox")
+    _note_waiting_exports(outbox.root)
+    assert capsys.readouterr().err == ""
+    for step in (1, 2):
+        outbox.post(Envelope(run="exp", step=step, parcels=[_wandb(tmp_path).parcel(_record("exp", step, 0.5))]))
+    (outbox.root / ".tmp-00000000000000000003-1-0.json").write_text("{}")  # a post in progress: not waiting
+    _note_waiting_exports(outbox.root)
+    assert capsys.readouterr().err == (f"2 tracker export(s) (W&B, MLflow) wait in {outbox.root}: the next "
+                                       "`pinned-eval worker` sends them\n")
