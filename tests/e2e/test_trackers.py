@@ -2,15 +2,17 @@
 fleet, a real `mlflow server` on 127.0.0.1, TensorBoard's own event-file reader).
 
 The trainer has an MLflow run and a TensorBoard log directory of its own, each holding a training
-curve; the sinks block names both. Points at steps 3 and 5 are measured: every metric of their
-JSONL rows is in the trainer's MLflow run at the point's step and in `<logdir>/eval`, values
-equal exactly, and the trainer's own curve and event file are untouched. Then the MLflow server is
-killed (by its process group): the point at step 7 is still measured, its rows carry the MLflow
-error (`sink_errors`, `eval/sink_failed_mlflow`), and TensorBoard still got it.
+curve; the sinks block names both. Points at steps 3 and 5 are measured: every metric of their JSONL
+rows is in the trainer's MLflow run at the point's step and in `<logdir>/eval`, values equal exactly
+(step 5's MLflow export sent by a deliverer from an outbox, as under a worker), and the trainer's
+own curve and event file are untouched. Then the MLflow server is killed (by its process group): the
+point at step 7 is still measured, its rows carry the MLflow error (`sink_errors`,
+`eval/sink_failed_mlflow`), and TensorBoard still got it.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,10 @@ import pytest
 
 from blocks import FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
+from pinned_eval.polling import poll_until
 from pinned_eval.sinks import Ledger, mlflow_key
+from pinned_eval.sinks.delivery import Deliverer
+from pinned_eval.sinks.outbox import OUTBOX_ENV, Outbox
 from pinned_eval.sinks.tensorboard import EVAL_SUBDIR
 from tests.mlflow_server import MlflowServer, served
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
@@ -67,8 +72,20 @@ def test_points_land_in_the_trainers_mlflow_run_and_logdir_and_a_dead_server_lea
     SinksBlock(jsonl_path=str(env.jsonl), mlflow_tracking_uri=mlflow_server.url, mlflow_run_id=trainer.info.run_id,
                tensorboard_dir=str(logdir)).save(env.blocks["sinks"], overwrite=True)
 
-    for step in (3, 5):
-        assert "sink failed" not in _point(env, step, tiny_model)
+    assert "sink failed" not in _point(env, 3, tiny_model)
+    outbox = Outbox(tmp_path / "outbox")  # step 5 as under a worker: MLflow sent by a deliverer, off the point
+    stop, deliverer = threading.Event(), Deliverer(outbox, poll_s=0.05)
+    serving = threading.Thread(target=deliverer.run, args=(stop,), daemon=True)
+    serving.start()
+    try:
+        poll_until(outbox.served, timeout_s=10, interval_s=0.05, what="the deliverer to serve")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(OUTBOX_ENV, str(outbox.root))
+            assert "sink failed" not in _point(env, 5, tiny_model)
+        poll_until(lambda: deliverer.delivered == 1, timeout_s=60, interval_s=0.1, what="the deliverer to send")
+    finally:
+        stop.set()
+        serving.join(timeout=60)
     measured = {step: _merged(env, step) for step in (3, 5)}
     assert all(not r.sink_errors for r in Ledger(env.jsonl).read(env.run))
 
