@@ -56,6 +56,7 @@ INFLIGHT = "inflight"
 __all__ = ["EVENTS", "INFLIGHT", "PIN_BUCKETS", "POINT_BUCKETS", "InFlight", "Outcome", "PointEvent",
            "PointMetricsCollector", "pin_timed", "point_ended", "private_metrics_dir", "serve_metrics"]
 _NAME = re.compile(r"^(\d+)-(\d+)\.json$")  # inflight/<pid>-<n>.json
+_ENVELOPE = re.compile(r"^\d+-\d+-\d+\.json$")  # an outbox envelope (pinned_eval.sinks.outbox)
 _seq = itertools.count()
 
 
@@ -141,8 +142,9 @@ class PointMetricsCollector:
     `root/totals.json` and removed (`pinned_eval.prometheus_totals`), so a scrape reads the totals
     and the events since the last scrape, never the whole history."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, outbox: str | Path | None = None) -> None:
         self.root = private_metrics_dir(root)
+        self.outbox = Path(outbox) if outbox is not None else None
         self._lock = threading.Lock()
 
     @staticmethod
@@ -204,15 +206,30 @@ class PointMetricsCollector:
         for run, n in sorted(self.in_flight().items()):
             flight.add_metric([run], n)
         yield flight
+        if self.outbox is not None:
+            yield GaugeMetricFamily("pinned_eval_tracker_exports_waiting",
+                                    "Points' W&B/MLflow exports in the worker's outbox, not sent by its deliverer yet.",
+                                    value=self.exports_waiting())
+
+    def exports_waiting(self) -> int:
+        """Envelopes in the outbox (names only: nothing is read; none when it does not exist yet)."""
+        assert self.outbox is not None
+        try:
+            return sum(1 for name in os.listdir(self.outbox) if _ENVELOPE.match(name))
+        except FileNotFoundError:
+            return 0
 
 
-def serve_metrics(root: str | Path, port: int, host: str = "127.0.0.1") -> tuple[Any, str]:
+def serve_metrics(
+    root: str | Path, port: int, host: str = "127.0.0.1", outbox: str | Path | None = None
+) -> tuple[Any, str]:
     """Serve the worker's metrics at `http://host:port/metrics` (port 0: any free one) from a
-    daemon thread; returns the server (`shutdown()` stops it) and the URL."""
+    daemon thread; returns the server (`shutdown()` stops it) and the URL. `outbox`: the worker's
+    tracker outbox, counted by `pinned_eval_tracker_exports_waiting`."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(PointMetricsCollector(root))
+    registry.register(PointMetricsCollector(root, outbox))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -92,7 +92,7 @@ def worker(
     server: Any = None
     extra_env: dict[str, str] = {}
     if metrics_port is not None:
-        server, extra_env = _serve_metrics(stack.home / "metrics", metrics_port, metrics_host)
+        server, extra_env = _serve_metrics(stack.home / "metrics", metrics_port, metrics_host, stack.outbox())
     try:
         code = stack.run_worker(query_seconds=query_seconds, pool=pool, extra_env=extra_env)
     finally:
@@ -110,7 +110,7 @@ def _note_waiting_exports(root: Path) -> None:
                    "sends them", err=True)
 
 
-def _serve_metrics(root: Path, port: int, host: str) -> tuple[Any, dict[str, str]]:
+def _serve_metrics(root: Path, port: int, host: str, outbox: Path | None = None) -> tuple[Any, dict[str, str]]:
     """Start the endpoint; the environment that makes the worker's flow runs record into `root`."""
     from pinned_eval.prometheus import METRICS_DIR_ENV, private_metrics_dir, serve_metrics
     from pinned_eval.trusted_paths import UntrustedPathError
@@ -123,7 +123,7 @@ def _serve_metrics(root: Path, port: int, host: str) -> tuple[Any, dict[str, str
         fail("--metrics-port: needs prometheus_client: pip install 'pinned-eval[prometheus]'")
     try:
         private_metrics_dir(root)
-        server, url = serve_metrics(root, port, host)
+        server, url = serve_metrics(root, port, host, outbox)
     except UntrustedPathError as exc:
         fail(f"--metrics-port: {exc}")
     except OSError as exc:

@@ -113,6 +113,7 @@ def test_a_scrape_after_measured_skipped_and_failed_points_counts_each_exactly(
               if s[0] == "pinned_eval_point_duration_seconds_count"}
     assert counts == {"failed": 1.0, "measured": 1.0, "skipped": 2.0}
     assert metrics["pinned_eval_points_in_flight"] == [], "every point ended: none in flight"
+    assert metrics["pinned_eval_tracker_exports_waiting"] == [("pinned_eval_tracker_exports_waiting", {}, 0.0)]
     assert metrics["pinned_eval_pin_duration_seconds"] == [], "the external posture pins no fleet"
     assert metrics["pinned_eval_metrics_unreadable_events"] == [
         ("pinned_eval_metrics_unreadable_events_total", {}, 0.0)]

@@ -196,3 +196,22 @@ def test_the_worker_refuses_to_serve_from_a_directory_others_can_write(tmp_path:
                                       "others without the sticky bit")
     with pytest.raises(CliError, match=r"^--metrics-port: 70000 is not a port \(0-65535\)$"):
         _serve_metrics(root, 70000, "127.0.0.1")
+
+
+def test_the_worker_endpoint_counts_tracker_exports_waiting_in_its_outbox(metrics_dir: Path, tmp_path: Path) -> None:
+    from pinned_eval.sinks.exporters import Parcel
+    from pinned_eval.sinks.outbox import Envelope, Outbox
+
+    server, url = prom.serve_metrics(metrics_dir, 0, outbox=tmp_path / "outbox")
+    try:
+        assert scrape(url)["pinned_eval_tracker_exports_waiting"] == [
+            ("pinned_eval_tracker_exports_waiting", {}, 0.0)]  # no outbox yet: none waiting
+        outbox = Outbox(tmp_path / "outbox")
+        parcel = Parcel(exporter="wandb", config={}, body={})
+        posted = [outbox.post(Envelope(run="exp", step=s, parcels=[parcel])) for s in (1, 2, 3)]
+        (outbox.root / ".tmp-00000000000000000009-1-0.json").write_text("{}")  # a post in progress
+        assert scrape(url)["pinned_eval_tracker_exports_waiting"] == [("pinned_eval_tracker_exports_waiting", {}, 3.0)]
+        outbox.remove(posted[0])
+        assert scrape(url)["pinned_eval_tracker_exports_waiting"] == [("pinned_eval_tracker_exports_waiting", {}, 2.0)]
+    finally:
+        server.shutdown()
