@@ -41,14 +41,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from pinned_eval.sinks.exporters import (
-    BaseExporter,
-    Parcel,
-    PointRecord,
-    SinkSettings,
-    plain_config,
-    register_exporter,
-)
+from pinned_eval.sinks import exporters
+from pinned_eval.sinks.exporters import BaseExporter, Parcel, PointRecord, SinkSettings
 from pinned_eval.sinks.wandb import first_samples
 
 RUN_TAG = "pinned_eval.run"
@@ -156,7 +150,8 @@ class MlflowExporter(BaseExporter):
                 tables[samples_artifact(record.step, ds)] = json.dumps({"columns": columns, "data": data}, default=str)
         body = {"run": record.run, "step": record.step, "time_ms": int(time.time() * 1000),
                 "metrics": {mlflow_key(k): float(v) for k, v in merged.items()}, "tables": tables}
-        return Parcel(exporter=self.name, config=plain_config(self.config), lock=self.exclusive(record), body=body)
+        config = exporters.plain_config(self.config)
+        return Parcel(exporter=self.name, config=config, lock=self.exclusive(record), body=body)
 
     def send(self, parcel: Parcel) -> None:
         from mlflow import MlflowClient  # mlflow: optional extra, slow import
@@ -216,4 +211,4 @@ def _restore(config: dict[str, Any]) -> MlflowExporter:
     return MlflowExporter(MlflowConfig.model_validate(config))
 
 
-register_exporter("mlflow", _build, order=32, restore=_restore)
+exporters.register_exporter("mlflow", _build, order=32, restore=_restore)
