@@ -20,11 +20,13 @@ Invariants:
   `exporter()` is the same export in two phases (staged at dispatch, written in the background).
 - `score()` / `greedy()` decode in process with the same left-padded greedy decoder the rollouts
   use.
-- Reproducibility: the warm-up is a function of the config. The default RL phase is not (which
-  version generated which group depends on timing). `lockstep=True` makes it one (for tests): the
-  same producer and worker, but each RL step's batch is sampled only once the step asks for it, by
-  the weights of the previous step (staleness 0, on-policy), so the same config (seed included)
-  gives the same losses, rewards and weights on every run, at any machine load, on one machine.
+- Reproducibility: the warm-up is a function of the config and base weights; the default RL
+  phase is not (which version generated which group depends on thread timing). `lockstep=True`
+  (for tests) makes all of it one: the same producer and worker, but each RL step's batch is
+  sampled only when the step asks for it, by the weights of the previous step (staleness 0,
+  on-policy), so the same config (seed included) gives the same losses, rewards and weights on
+  every run at any machine load (bit for bit on the same machine and torch build). The demo itself
+  runs fully async (`lockstep=False`, the default).
 No Prefect import.
 """
 

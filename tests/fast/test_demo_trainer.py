@@ -104,18 +104,20 @@ def _trace(stats) -> list[tuple]:
 def test_lockstep_rl_is_on_policy_never_runs_ahead_and_repeats_itself(tmp_path, warm):
     def rl_run(seed: int) -> tuple[list[tuple], int]:
         cfg = _config(
-            tmp_path, warm.dir, warmup_steps=0, rollout_batch_size=3, n_samples_per_prompt=4, lockstep=True,
+            tmp_path, warm.dir, warmup_steps=2, rollout_batch_size=3, n_samples_per_prompt=4, lockstep=True,
             seed=seed,
         )
         with DemoTrainer(cfg) as tr:
-            rl = tr.run(4)
+            stats = tr.run(6)
             generated = tr._worker.samples_generated
+        rl = stats[2:]
+        assert [s.phase for s in stats] == ["warmup"] * 2 + ["rl"] * 4
         assert sum(s.samples_used for s in rl) > 0  # it trains: the comparisons below are not of zeros
         for s in rl:
             assert s.staleness_mean == 0.0  # each batch by the weights published just before it
             assert s.rollout_metrics["rollout/fully_async/consumed_groups"] == 3.0
             assert s.rollout_metrics["rollout/fully_async/stale_groups_filtered"] == 0.0
-        return _trace(rl), generated
+        return _trace(stats), generated
 
     trace, generated = rl_run(seed=0)
     assert generated == 4 * 3 * 4  # exactly the consumed batches: the next one waits for its step
