@@ -82,6 +82,7 @@ def test_rl_steps_consume_producer_rollouts(tmp_path, base_dir):
         tmp_path, base_dir, warmup_steps=2, rollout_batch_size=3, n_samples_per_prompt=4,
         max_weight_staleness=1,
     )
+    assert cfg.lockstep is False  # the default, which the demo runs: fully async
     with DemoTrainer(cfg) as tr:
         stats = tr.run(6)
         generated = tr._worker.samples_generated
