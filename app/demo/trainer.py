@@ -19,7 +19,14 @@ Invariants:
   base dir, so the CPU engine and transformers load it; `.complete` is written last.
   `exporter()` is the same export in two phases (staged at dispatch, written in the background).
 - `score()` / `greedy()` decode in process with the same left-padded greedy decoder the rollouts
-  use; RL runs are not bit-reproducible (which version generated which group depends on timing).
+  use.
+- Reproducibility: the warm-up is a function of the config and base weights; the default RL
+  phase is not (which version generated which group depends on thread timing). `lockstep=True`
+  (for tests) makes all of it one: the same producer and worker, but each RL step's batch is
+  sampled only when the step asks for it, by the weights of the previous step (staleness 0,
+  on-policy), so the same config (seed included) gives the same losses, rewards and weights on
+  every run at any machine load (bit for bit on the same machine and torch build). The demo itself
+  runs fully async (`lockstep=False`, the default).
 No Prefect import.
 """
 
@@ -72,6 +79,11 @@ class DemoConfig(BaseModel):
         default=2, ge=0, description="Producer drops groups older than this many versions."
     )
     batch_timeout_s: float = Field(default=120.0, gt=0, description="Max wait for one rollout batch.")
+    lockstep: bool = Field(
+        default=False,
+        description="Deterministic RL (tests): each step's batch is generated after the previous step's "
+        "weights are published, by those weights; generation and training alternate.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DemoConfig:
@@ -225,7 +237,7 @@ class DemoTrainer:
                     max_weight_staleness=c.max_weight_staleness, submission_granularity="group",
                 ),
                 reward=tasks.reward, temperature=c.temperature, max_new_tokens=c.max_new_tokens,
-                seed=c.seed + 1, version=self.version,
+                seed=c.seed + 1, version=self.version, lockstep=c.lockstep,
             )
         return self._worker
 
