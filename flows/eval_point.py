@@ -15,9 +15,11 @@ outside the staging block's source roots (`SourceOutsideRoots`, naming `source.p
 failed event are that message alone. The snapshot is
 retired on every outcome (keep-ring for owned snapshots, untouched otherwise), and by the
 `on_crashed` hook when the flow-run process itself is killed.
-A point measures the suite's datasets due at its step (`every_n_steps`; all at the final point;
-none due: skipped `no_dataset_due`), and each outcome emits its `pinned-eval.point.*` event
-(`tasks.alerts`: measured, regressed, skipped, failed).
+A point measures the suite's datasets due at its step (`every_n_steps`; all at the final point)
+and its `eval.delegate` services at every point, as miles runs them at every eval: a step with no
+dataset due measures the delegates alone, one with neither is skipped `no_dataset_due`
+(`due_suite`). Each outcome emits its `pinned-eval.point.*` event (`tasks.alerts`: measured,
+regressed, skipped, failed).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pinned_eval.prometheus import InFlight
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import Staging
 from pinned_eval.source_roots import SourceOutsideRoots, confine_source
-from pinned_eval.suite import NO_DATASET_DUE
+from pinned_eval.suite import NO_DATASET_DUE, EvalSuite
 from tasks.admission import admitted
 from tasks.generate import load_datasets
 from tasks.measure import MEASURES, MeasureInput, PointConfig
@@ -49,7 +51,7 @@ from tasks.outcome import record_failed, record_measured, record_skipped, retire
 from tasks.skip_logging import quiet_expected_skips
 from tasks.snapshots import Snapshot, check_snapshot_task, export_snapshot
 
-__all__ = ["PointConfig", "eval_point", "point_deadline", "retire_on_crash"]
+__all__ = ["PointConfig", "due_suite", "eval_point", "point_deadline", "retire_on_crash"]
 
 
 def retire_on_crash(flow: object, flow_run: FlowRun, state: State) -> None:
@@ -213,14 +215,23 @@ def _export(
     return export_snapshot(source, run, step, store, cfg.fleet.lora_mode)
 
 
-def _due_only(cfg: PointConfig, step: int, final: bool) -> tuple[PointConfig, list[str]]:
-    """`cfg` with its suite cut to the datasets due at `step`, and the names of those not due;
-    `EvalSkipped(no_dataset_due)` when none is (before any export or fleet work)."""
-    suite = cfg.suite.suite
+def due_suite(suite: EvalSuite, step: int, final: bool) -> tuple[EvalSuite, list[str]]:
+    """The suite a point at `step` measures, and the names of the datasets not due: the datasets due
+    (`EvalSuite.due_at`) with every delegate, since miles runs `eval.delegate` at every eval; with no
+    dataset due, the delegates alone (a suite of no dataset: the point pins the fleet for them and
+    records their metrics on one point-level row); with no dataset due and no delegate,
+    `EvalSkipped(no_dataset_due)` (before any export or fleet work)."""
     due = suite.due_at(step, final=final)
-    if due is None:
+    if due is None and not suite.delegates:
         raise EvalSkipped(NO_DATASET_DUE, f"step {step}: no dataset is due (every_n_steps)")
-    not_due = [ds.name for ds in suite.datasets if ds not in due.datasets]
+    if due is None:  # model_copy does not validate: the one place a suite holds no dataset
+        due = suite.model_copy(update={"datasets": ()})
+    return due, [ds.name for ds in suite.datasets if ds not in due.datasets]
+
+
+def _due_only(cfg: PointConfig, step: int, final: bool) -> tuple[PointConfig, list[str]]:
+    """`cfg` with its suite cut to what is due at `step` (`due_suite`), and the datasets not due."""
+    due, not_due = due_suite(cfg.suite.suite, step, final)
     return cfg.model_copy(update={"suite": cfg.suite.model_copy(update={"suite": due})}), not_due
 
 

@@ -7,9 +7,10 @@ exporters (None when the posture publishes its own).
 - shared: [fleet lock: verify the live engines serve `str(step)` → generate] → score;
 - external: [backend lock: the backend's `evaluate_checkpoint`] (it publishes its samples).
 A suite with `eval.delegate` entries (fleet and shared postures) runs them under the same fleet
-lock after generation (`tasks.delegate`; also when the generations came from the cache: then
-the fleet is pinned for them alone); their `eval/...` metrics are `Measured.delegated`, point-level
-metrics on every dataset row. A delegate metric named like one of pinned-eval's own
+lock after generation (`tasks.delegate`; also when the generations came from the cache, or when
+no dataset is due at the step: then the fleet is pinned for them alone); their `eval/...`
+metrics are `Measured.delegated`, point-level metrics on every dataset row (with no dataset, on
+the point's one row). A delegate metric named like one of pinned-eval's own
 (`eval/<dataset>...` of this point, `eval/step`, ...) is the skip `delegate_failed`, never an
 overwrite. The external posture refuses a suite with delegates (they need the fleet).
 With a results store (fleet posture), generations stored under this point's cache key are reused
@@ -111,11 +112,12 @@ def _generate_and_score(
     tokenizer_dir = cfg.fleet.model_path if snapshot is None else snapshot.lora_base or str(snapshot.local_path)
     results = cfg.sinks.results_store()
     key = None
-    if cache and results is not None and snapshot is not None:
+    if cache and results is not None and snapshot is not None and datasets:
         key = generation_key(
             snapshot_digest(str(snapshot.local_path)), version, datasets, rows, tokenizer_dir, snapshot.lora_base
         )
     generations = cached_generations(results, run, step, key) if results is not None and key else None
+    generations = [] if not datasets else generations  # delegates alone (no dataset due): nothing to generate
     delegates = cfg.suite.suite.delegates
     delegated: dict[str, float] = {}
     if generations is None or delegates:

@@ -2,7 +2,8 @@
 and the janitor.
 
 - `record_measured`: the point's metrics (`pinned_eval.scoring.metrics.point_metrics` plus the
-  datasets run and not due, and the `eval.delegate` metrics) on every dataset's ledger row, the
+  datasets run and not due, and the `eval.delegate` metrics) on every dataset's ledger row (a
+  point of delegates alone, no dataset due: on one point-level row, `dataset` null), the
   exporters (`tasks.log`), the `measured` and `regressed` events (`tasks.alerts`), and the run's
   Completed state whose message names each score, the datasets not due, the regressions and the failed exporters;
 - `record_skipped`: a WARNING naming the point, its `skipped` ledger row and exporters (when the
@@ -30,7 +31,7 @@ from blocks import EvalSuiteBlock, SinksBlock, StagingBlock
 from pinned_eval.points import SnapshotSource, flow_run_name
 from pinned_eval.prometheus import point_ended
 from pinned_eval.scoring.metrics import point_metrics
-from pinned_eval.sinks import Ledger
+from pinned_eval.sinks import Ledger, MetricRow
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import RetireResult, Staging
 from tasks.alerts import emit_failed, emit_measured, emit_skipped
@@ -59,10 +60,12 @@ def record_measured(
     point.update({"eval/datasets_run": float(len(per_dataset)), "eval/datasets_not_due": float(len(not_due))})
     delegated = measured.delegated or {}
     point.update(delegated)  # eval.delegate metrics: point-level (tasks.measure refused clashes)
-    sink_errors = log_point(run, step, measured_rows(run, step, per_dataset, point), sinks, measured.samples)
+    rows = measured_rows(run, step, per_dataset, point) or [  # delegates alone: one point-level row
+        MetricRow(run=run, step=step, state="measured", weight_version=str(step), metrics=point)]
+    sink_errors = log_point(run, step, rows, sinks, measured.samples)
     regressed = emit_measured(run, step, per_dataset, suite.regression, sinks.jsonl_path)
-    summary = ", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items())
-    summary += f"; {len(delegated)} delegate metrics" if delegated else ""
+    summary = "; ".join(filter(None, [", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items()),
+                                      f"{len(delegated)} delegate metrics" if delegated else ""]))
     summary += f" (not due: {', '.join(not_due)})" if not_due else ""
     summary += f"; regressed: {', '.join(r.dataset for r in regressed)}" if regressed else ""
     return Completed(message=f"measured {flow_run_name(run, step)}: {summary}{sink_note(sink_errors)}")

@@ -9,9 +9,13 @@ Contract:
   task YAMLs) only there (`include_defaults=False`: lm-eval's own task index is not read), without
   it in lm-eval's own tasks; an unknown task name exits 2 with one line on stderr naming it, before
   any request.
-- the result is written to `out` (JSON): `{"results": {task: {key: value}}, "samples": {task:
-  [lm-eval's per-sample records]}}`, numbers as lm-eval computed them (non-JSON values through
-  lm-eval's `handle_non_serializable`). Exit 0; any failure exits 1 with its last line on stderr.
+- the result is written to `out` (JSON): `{"results": {task or group: {key: value}}, "groups":
+  {group: {key: value}}, "group_subtasks": {group: [child names]}, "tags": {tag: [task names]},
+  "samples": {task: [lm-eval's per-sample records]}}`: lm-eval's own `results`, `groups` (the
+  groups with an `aggregate_metric_list`, their aggregates as lm-eval computed them),
+  `group_subtasks` and `samples`; `tags` are the member tasks of each requested tag (a tag has no
+  aggregate). Numbers as lm-eval computed them (non-JSON values through lm-eval's
+  `handle_non_serializable`). Exit 0; any failure exits 1 with its last line on stderr.
 This module imports no Prefect and nothing of pinned-eval outside the standard library.
 """
 
@@ -45,7 +49,9 @@ def main() -> int:
         task_manager=manager,
         apply_chat_template=req["model"] == "local-chat-completions",
     )
-    keep = {"results": out["results"], "samples": out["samples"]}
+    tags = {t: sorted(manager.task_index[t].tags) for t in req["tasks"] if t in manager.all_tags}
+    keep = {"results": out["results"], "groups": out.get("groups", {}), "group_subtasks": out.get("group_subtasks", {}),
+            "tags": tags, "samples": out["samples"]}
     with open(req["out"], "w", encoding="utf-8") as fh:
         json.dump(keep, fh, default=handle_non_serializable)
     return 0

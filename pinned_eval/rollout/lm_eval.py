@@ -18,18 +18,24 @@ Contract:
   point with the gateway's `violation` (`pin_violation`, `agent_budget`); a child that fails
   (an unknown task, lm-eval raising, no result within `timeout_s`) is the skip `harness_error`
   naming the dataset and the child's last stderr line.
-- rows are one per task (`pinned_eval.datasets.loader`); `produce(ds, row, 0)` is that task's
-  samples, one per lm-eval document in lm-eval's order (`j > 0`: none; lm-eval's own repeats
-  apply). A sample's `prompt_index` runs over the dataset's tasks in order; `prompt` is its first
+- rows are one per named task (`pinned_eval.datasets.loader`); `produce(ds, row, 0)` is that
+  task's samples, one per lm-eval document in lm-eval's order (`j > 0`: none; lm-eval's own
+  repeats apply); a named group's row holds the samples of every task under it (nested groups
+  too, in lm-eval's `group_subtasks` order), a named tag's those of its tasks. A sample's
+  `prompt_index` runs over the rows' samples in order; `prompt` is its first
   request's context (chat: lm-eval's messages as a JSON string); its `response` is
   lm-eval's filtered response (a generation's text; loglikelihood results as JSON); `reward` is
   its first metric's value; `metadata` holds `lm_eval_task`, lm-eval's per-sample record
   (`lm_eval`: doc, arguments, resps, filtered_resps, the metric values) and the task's results as
-  lm-eval reported them (`lm_eval_results`, read by `lm_eval_metrics`); `weight_version` is the
-  pinned version when every answered call of the gateway carried it.
+  lm-eval reported them (`lm_eval_results`, read by `lm_eval_metrics`); the first sample of a
+  group's row also holds lm-eval's `groups` entries of that group and of the groups nested in it
+  (`lm_eval_groups`); `weight_version` is the pinned version when every answered call of the
+  gateway carried it.
 - `lm_eval_metrics(samples)`: `eval/<task>/<metric>` for each numeric entry of lm-eval's results
   (`<metric>,none` -> `<metric>`, `<metric>,<filter>` -> `<metric>/<filter>`; its stderr is lm-eval's
-  `<metric>_stderr`); a stderr lm-eval gives as `N/A` is left out.
+  `<metric>_stderr`), and `eval/<group>/<metric>` alike for each group lm-eval aggregated (its
+  `groups` entry: the `aggregate_metric_list` metrics, by size or not as the group says); a stderr
+  lm-eval gives as `N/A` is left out.
 This module imports no Prefect (and no lm-eval: only the child does).
 """
 
@@ -182,28 +188,56 @@ class LmEvalRollout:
 def _samples(ds: ResolvedDataset, result: dict[str, Any], version: str | None) -> dict[str, list[Sample]]:
     out: dict[str, list[Sample]] = {}
     index = 0
-    for task in ds.tasks:
-        results = result["results"].get(task, {})
-        out[task] = []
-        for rec in result["samples"].get(task, []):
-            names = rec.get("metrics") or []
-            values = [rec.get(m) for m in names]
-            reward = next((float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)), None)
-            filtered = rec.get("filtered_resps")
-            response = filtered[0] if isinstance(filtered, list) and filtered and isinstance(filtered[0], str) \
-                else json.dumps(filtered)
-            target = rec.get("target")
-            out[task].append(Sample(
-                dataset=ds.name, prompt_index=index, sample_index=0,
-                prompt=_prompt(rec.get("arguments")),
-                label=target if isinstance(target, str | int | float) and not isinstance(target, bool)
-                else json.dumps(target),
-                metadata={"lm_eval_task": task, "lm_eval": rec, "lm_eval_results": results},
-                response=response, response_len=0, finish_reason=None, weight_version=version,
-                status="completed", reward=0.0 if reward is None else reward,
-            ))
-            index += 1
+    subtasks: dict[str, list[str]] = result.get("group_subtasks") or {}
+    tags: dict[str, list[str]] = result.get("tags") or {}
+    groups: dict[str, Any] = result.get("groups") or {}
+    for name in ds.tasks:
+        out[name] = []
+        leaves, nested = _expand(name, subtasks, tags)
+        for task in leaves:
+            results = result["results"].get(task, {})
+            for rec in result["samples"].get(task, []):
+                out[name].append(_sample(ds, rec, task, results, index, version))
+                index += 1
+        carried = {g: groups[g] for g in nested if g in groups}
+        if carried and out[name]:
+            first = out[name][0]
+            out[name][0] = first.model_copy(update={"metadata": {**first.metadata, "lm_eval_groups": carried}})
     return out
+
+
+def _expand(name: str, subtasks: Mapping[str, list[str]], tags: Mapping[str, list[str]]) -> tuple[list[str], list[str]]:
+    """The tasks under `name` (itself when a task) and the groups it is or holds, in lm-eval's order."""
+    if name in tags:
+        return list(tags[name]), []
+    if name not in subtasks:
+        return [name], []
+    leaves, nested = [], [name]
+    for child in subtasks[name]:
+        more, inner = _expand(child, subtasks, {})
+        leaves += more
+        nested += inner
+    return leaves, nested
+
+
+def _sample(ds: ResolvedDataset, rec: dict[str, Any], task: str, results: Any, index: int,
+            version: str | None) -> Sample:
+    names = rec.get("metrics") or []
+    values = [rec.get(m) for m in names]
+    reward = next((float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)), None)
+    filtered = rec.get("filtered_resps")
+    response = filtered[0] if isinstance(filtered, list) and filtered and isinstance(filtered[0], str) \
+        else json.dumps(filtered)
+    target = rec.get("target")
+    return Sample(
+        dataset=ds.name, prompt_index=index, sample_index=0,
+        prompt=_prompt(rec.get("arguments")),
+        label=target if isinstance(target, str | int | float) and not isinstance(target, bool)
+        else json.dumps(target),
+        metadata={"lm_eval_task": task, "lm_eval": rec, "lm_eval_results": results},
+        response=response, response_len=0, finish_reason=None, weight_version=version,
+        status="completed", reward=0.0 if reward is None else reward,
+    )
 
 
 def _prompt(arguments: Any) -> str:
@@ -216,15 +250,25 @@ def _prompt(arguments: Any) -> str:
 
 
 def lm_eval_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """`eval/<task>/<metric>` from lm-eval's results carried by `samples` (see the module docstring)."""
+    """`eval/<task>/<metric>` and `eval/<group>/<metric>` from lm-eval's results carried by `samples`
+    (see the module docstring)."""
     out: dict[str, float] = {}
     for s in samples:
         task, results = s.metadata.get("lm_eval_task"), s.metadata.get("lm_eval_results")
-        if not isinstance(task, str) or not isinstance(results, dict):
+        if isinstance(task, str) and isinstance(results, dict):
+            out.update(_numbers(task, results))
+        groups = s.metadata.get("lm_eval_groups")
+        for group, aggregates in (groups.items() if isinstance(groups, dict) else ()):
+            if isinstance(group, str) and isinstance(aggregates, dict):
+                out.update(_numbers(group, aggregates))
+    return out
+
+
+def _numbers(name: str, results: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in results.items():
+        if "," not in key or isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        for key, value in results.items():
-            if "," not in key or isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            metric, _, flt = key.partition(",")
-            out[f"eval/{task}/{metric}" + ("" if flt == "none" else f"/{flt}")] = float(value)
+        metric, _, flt = key.partition(",")
+        out[f"eval/{name}/{metric}" + ("" if flt == "none" else f"/{flt}")] = float(value)
     return out

@@ -7,6 +7,9 @@ gateway), with the OpenAI key `EMPTY`.
 - measured: the delegate got miles' request (byte for byte what `request_body` builds for the URL
   it was handed), its `raw_metrics` are the point's `eval/...` metrics as miles names them, and
   every call it made is in the gateway's records (`delegate_calls.parquet`) at the pinned version;
+- at a step where no dataset is due (`every_n_steps`), the delegate still runs, as miles runs it at
+  every eval: the point pins the fleet for it alone (no generation) and is measured on one
+  point-level row holding the delegate's metrics, which the miles adapter hands back;
 - a delegate that answers 503, one that hangs past `timeout_secs`, and one that answers garbage
   each make the point a skip `delegate_failed` naming the delegate and why.
 """
@@ -122,11 +125,15 @@ def skills() -> Iterator[SkillsLike]:
 
 
 def _point(
-    tmp_path: Path, cpu_fleet: CpuFleet, tiny_model: Path, url: str, timeout: int, step: int
+    tmp_path: Path, cpu_fleet: CpuFleet, tiny_model: Path, url: str, timeout: int, step: int,
+    every_n_steps: int | None = None,
 ) -> tuple[Any, PointEnv]:
     (tmp_path / "add.jsonl").write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
     suite = EvalSuite.from_miles_yaml(YAML, strict_miles=True, variables={
         "DATA_DIR": str(tmp_path), "DELEGATE_URL": url, "DELEGATE_TIMEOUT": str(timeout)})
+    if every_n_steps is not None:  # pinned-eval's cadence (strict_miles refuses the key in the YAML)
+        ds = suite.datasets[0].model_copy(update={"every_n_steps": every_n_steps})
+        suite = suite.model_copy(update={"datasets": (ds,)})
     fleet = FleetBlock(name=f"d{uuid.uuid4().hex[:6]}", mode="launch", state_file=str(cpu_fleet.state_file))
     env = save_point_blocks(tmp_path, fleet, suite=suite)  # keeps the snapshot: a rerun reuses it
     SinksBlock(jsonl_path=str(env.jsonl), results_root=str(tmp_path / "results")).save(env.blocks["sinks"],
@@ -179,6 +186,36 @@ def test_delegate_is_measured_through_the_gateway_at_the_pinned_version(
     with get_client(sync_client=True) as c:
         names = {t.name for t in c.read_task_runs() if t.flow_run_id == again.state_details.flow_run_id}
     assert {"cached-generations-3", "pin-3", "delegate-3"} <= names and "generate-3" not in names
+
+
+def test_a_step_with_no_dataset_due_measures_the_delegate_alone(
+    prefect_server: str, cpu_fleet: CpuFleet, tiny_model: Path, tmp_path: Path, skills: SkillsLike
+) -> None:
+    state, env = _point(tmp_path, cpu_fleet, tiny_model, f"{skills.url}/evaluate", 120, 6, every_n_steps=4)
+
+    assert state.name == "Completed", state.message
+    assert state.message == f"measured {env.run}/step-6: 6 delegate metrics (not due: arith_add)"
+    [row] = JsonlSink(env.jsonl).read(env.run)
+    assert (row.dataset, row.state, row.weight_version) == (None, "measured", "6")
+    delegated = {k: v for k, v in row.metrics.items() if k.startswith(("eval/aime25/", "eval/hle/"))}
+    assert delegated == {
+        "eval/aime25/pass@1": _pass_at_1(skills.texts["aime25"], 2), "eval/aime25/num_entries": 2.0,
+        "eval/aime25/generations": 4.0,
+        "eval/hle/pass@1": _pass_at_1(skills.texts["hle"], 1), "eval/hle/num_entries": 2.0,
+        "eval/hle/generations": 2.0,
+    }
+    assert (row.metrics["eval/datasets_run"], row.metrics["eval/datasets_not_due"], row.metrics["eval/step"]) == (
+        0.0, 1.0, 6.0)
+    assert not [k for k in row.metrics if k.startswith("eval/arith_add")]
+    assert json.loads(skills.bodies[0])["rollout_id"] == 6
+    calls = SinksBlock.load(env.blocks["sinks"]).results_store().read(env.run, 6, DELEGATE_CALLS).to_pylist()
+    assert [(c["route"], c["status"], c["weight_version"]) for c in calls] == [("/v1/chat/completions", 200, "6")] * 6
+    with get_client(sync_client=True) as c:
+        names = {t.name for t in c.read_task_runs() if t.flow_run_id == state.state_details.flow_run_id}
+    assert {"pin-6", "delegate-6"} <= names and not {"generate-6", "cached-generations-6"} & names
+    out = asyncio.run(_collect(prefect_server, env.run, str(state.state_details.flow_run_id), 6))
+    assert (out.data, {k: v for k, v in out.metrics.items() if k.startswith(("eval/aime25/", "eval/hle/"))}) == (
+        {}, delegated)
 
 
 async def _collect(api_url: str, run: str, flow_run_id: str, step: int) -> Any:

@@ -2,9 +2,11 @@
 answers for some generation prompts) behind the real sglang-router, the suite's dataset naming a
 local generation task and a local multiple-choice task (tests/data/lm_eval_tasks: YAML + JSONL).
 
-- the point's `eval/<task>/<metric>` and their stderr equal lm-eval's own run (`simple_evaluate`
-  in a fresh process, no pinned-eval code) against the same engines, exactly; every sample is at
-  the pinned version and lm-eval's per-sample record is in the point's samples file;
+- the point's dataset names the local group `pe_mixed` (its three tasks): its `eval/<task>/<metric>`,
+  the group's `eval/pe_mixed/<metric>` and their stderr equal lm-eval's own run (`simple_evaluate`
+  in a fresh process, no pinned-eval code) against the same engines, exactly (its `results` and
+  `groups`); every sample is at the pinned version and lm-eval's per-sample record is in the
+  point's samples file;
 - lm-eval's requests count in the point's budget: a used-up `agent_max_requests` is
   `agent_budget`;
 - the rollout on the same engines (no flow): `local-chat-completions` measures the generation task
@@ -54,7 +56,7 @@ from lm_eval.tasks import TaskManager
 req = json.loads(sys.argv[1])
 out = simple_evaluate(model="local-completions", model_args=req["model_args"], tasks=req["tasks"],
                       task_manager=TaskManager(include_path=".", include_defaults=False), log_samples=False)
-print(json.dumps(out["results"]))
+print(json.dumps({"results": out["results"], "groups": out["groups"]}))
 """
 
 
@@ -104,14 +106,14 @@ async def _rollout(fleet: LaunchedFleet, model: Path, expected: str, suite: Eval
         return await run_rollouts(session, [ds], {ds.name: load_dataset(ds)})
 
 
-def _direct(fleet: LaunchedFleet, model: Path) -> dict[str, dict[str, float]]:
+def _direct(fleet: LaunchedFleet, model: Path) -> dict[str, dict[str, dict[str, float]]]:
     assert fleet.router_url is not None and fleet.keys is not None
     args = {"model": "default", "base_url": f"{fleet.router_url}/v1/completions", "num_concurrent": 2,
             "max_retries": 1, "tokenizer_backend": "huggingface", "tokenizer": str(model), "tokenized_requests": False}
     env = {**os.environ, "OPENAI_API_KEY": fleet.keys.api, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(model.parent / "hf-direct")}
     done = subprocess.run([sys.executable, "-c", DIRECT, json.dumps({"model_args": args,
-                                                                     "tasks": ["pe_arith_gen", "pe_colour_mc"]})],
+                                                                     "tasks": ["pe_mixed"]})],
                           cwd=TASKS, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -120,28 +122,32 @@ def _direct(fleet: LaunchedFleet, model: Path) -> dict[str, dict[str, float]]:
 def test_lm_eval_tasks_score_as_lm_eval_itself_on_the_pinned_fleet(
     prefect_server: str, fleet: LaunchedFleet, model: Path, tmp_path: Path
 ) -> None:
-    env = _env(tmp_path, fleet, _suite())
+    env = _env(tmp_path, fleet, _suite(("pe_mixed",)))
 
     state = _run(env, 7, model)
 
     assert state.name == "Completed", state.message
     (row,) = JsonlSink(env.jsonl).read(env.run)
-    got = {k: v for k, v in row.metrics.items() if k.startswith(("eval/pe_arith_gen/", "eval/pe_colour_mc/"))}
+    got = {k: v for k, v in row.metrics.items() if k.startswith("eval/pe_") and not k.startswith("eval/pe_mixed/")}
     direct = _direct(fleet, model)  # after the point: the fleet still serves step 7's weights
+    results, group = direct["results"], direct["groups"]["pe_mixed"]
     assert got == {
-        "eval/pe_arith_gen/exact_match": direct["pe_arith_gen"]["exact_match,none"],
-        "eval/pe_arith_gen/exact_match_stderr": direct["pe_arith_gen"]["exact_match_stderr,none"],
-        "eval/pe_colour_mc/acc": direct["pe_colour_mc"]["acc,none"],
-        "eval/pe_colour_mc/acc_stderr": direct["pe_colour_mc"]["acc_stderr,none"],
-        "eval/pe_colour_mc/acc_norm": direct["pe_colour_mc"]["acc_norm,none"],
-        "eval/pe_colour_mc/acc_norm_stderr": direct["pe_colour_mc"]["acc_norm_stderr,none"],
+        "eval/pe_arith_gen/exact_match": results["pe_arith_gen"]["exact_match,none"],
+        "eval/pe_arith_gen/exact_match_stderr": results["pe_arith_gen"]["exact_match_stderr,none"],
+        **{f"eval/{t}/{m}": results[t][f"{m},none"] for t in ("pe_colour_mc", "pe_colour_mc_qa")
+           for m in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")},
     }
+    assert {k: v for k, v in row.metrics.items() if k.startswith("eval/pe_mixed/")} == {
+        f"eval/pe_mixed/{m}": group[f"{m},none"] for m in (
+            "exact_match", "exact_match_stderr", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+    mc = [got[f"eval/{t}/acc_norm"] for t in ("pe_colour_mc", "pe_colour_mc_qa")]
+    assert row.metrics["eval/pe_mixed/acc_norm"] == pytest.approx(sum(mc) / 2)  # the group averages its two tasks
     right = sum(r["question"] in {s["question"] for s in SCRIPTED} for r in GEN_ROWS)
     assert got["eval/pe_arith_gen/exact_match"] == right / len(GEN_ROWS)
     assert (row.state, row.weight_version, row.metrics["eval/bench/weight_version/mixed_version_ratio"]) == (
         "measured", "7", 0.0)
     samples = SinksBlock.load(env.blocks["sinks"]).results_store().read(env.run, 7, SAMPLES).to_pylist()
-    assert len(samples) == 48 and {s["weight_version"] for s in samples} == {"7"}
+    assert len(samples) == 72 and {s["weight_version"] for s in samples} == {"7"}
     first = json.loads(samples[0]["metadata"])
     assert (first["lm_eval_task"], first["lm_eval"]["doc"], first["lm_eval"]["target"]) == (
         "pe_arith_gen", GEN_ROWS[0], SCRIPTED[0]["answer"])

@@ -350,3 +350,29 @@ def test_the_external_posture_refuses_a_suite_with_delegates(tmp_path: Path) -> 
     snap = Snapshot(path=str(tmp_path), owned=False, kind=SourceKind.HF, local_path=str(tmp_path))
     with pytest.raises(ValueError, match=r"^eval\.delegate: the external posture hands the checkpoint"):
         measure_external(cfg, MeasureInput("r", 1, snap, suite.resolved(), {}))
+
+
+def test_delegates_run_at_every_point_and_alone_where_no_dataset_is_due() -> None:
+    """miles runs eval.delegate at every eval: the cadence cut (`flows.eval_point.due_suite`) keeps
+    every delegate, and a step with no dataset due measures the delegates alone."""
+    from flows.eval_point import due_suite
+    from pinned_eval.suite import DatasetSpec
+
+    [spec] = parse_delegates("eval.delegate", [_entry()])
+    rare = DatasetSpec(name="rare", path="builtin:arith_add.jsonl", every_n_steps=5)
+    cheap = DatasetSpec(name="cheap", path="builtin:arith_add.jsonl")
+    suite = EvalSuite(datasets=(rare,), delegates=(spec,))
+
+    alone, not_due = due_suite(suite, 3, final=False)
+    assert (alone.datasets, alone.delegates, not_due) == ((), (spec,), ["rare"])
+    assert (alone.resolved(), alone.defaults, alone.fallbacks) == ([], suite.defaults, suite.fallbacks)
+    due, not_due = due_suite(suite, 5, final=False)
+    assert (due.datasets, due.delegates, not_due) == ((rare,), (spec,), [])
+    assert due_suite(suite, 3, final=True)[0].datasets == (rare,)
+    both = EvalSuite(datasets=(cheap, rare), delegates=(spec,))
+    assert due_suite(both, 3, final=False)[0].model_dump() == both.model_copy(
+        update={"datasets": (cheap,)}).model_dump()
+
+    with pytest.raises(EvalSkipped) as skipped:  # neither a dataset nor a delegate: nothing to measure
+        due_suite(EvalSuite(datasets=(rare,)), 3, final=False)
+    assert str(skipped.value) == "no_dataset_due: step 3: no dataset is due (every_n_steps)"

@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from pinned_eval.datasets.loader import load_dataset
 from pinned_eval.harness import extra
-from pinned_eval.rollout.lm_eval import child_env, child_request, lm_eval_metrics, model_args
+from pinned_eval.rollout.lm_eval import _samples, child_env, child_request, lm_eval_metrics, model_args
 from pinned_eval.rollout.types import Sample
-from pinned_eval.suite import DatasetSpec, EvalSuite
+from pinned_eval.suite import DatasetSpec, EvalSuite, ResolvedDataset
 
 TASKS = Path(__file__).parent.parent / "data" / "lm_eval_tasks"
 
@@ -134,3 +134,69 @@ def test_the_child_refuses_an_unknown_task_before_any_request(tmp_path: Path) ->
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"tasks: unknown lm-eval task(s) ['no_such_task'] (task_dir {TASKS})"
     assert not (tmp_path / "o.json").exists()
+
+
+def _child(req: dict[str, object], cwd: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    return subprocess.run([sys.executable, "-m", "pinned_eval.harness.lm_eval_child"], input=json.dumps(req),
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=180)
+
+
+def _dummy(ds: ResolvedDataset, tmp_path: Path) -> dict[str, object]:
+    """The child's request for `ds` with lm-eval's own `dummy` model (no server)."""
+    return child_request(ds, "http://unused", None, 1, tmp_path / "o.json") | {"model": "dummy", "model_args": {}}
+
+
+def test_groups_nested_groups_and_tags_are_lm_evals_own_aggregates(tmp_path: Path) -> None:
+    """lm-eval's own run (its `dummy` model: no server) of a group holding the group pe_mixed, of a
+    tag and of a group without aggregate_metric_list: each named group's and nested group's
+    aggregates are `eval/<group>/...` exactly as lm-eval's `groups` entries give them, the group
+    without aggregates has none; a group's and a tag's rows hold their tasks' samples."""
+    for f in TASKS.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "outer.yaml").write_text("group: pe_outer\ntask: [pe_mixed]\n"
+                                         "aggregate_metric_list: [{metric: acc}]\n")
+    (tmp_path / "tagged.yaml").write_text("include: arith_gen.yaml\ntask: pe_arith_tagged\ntag: pe_tag\n")
+    (tmp_path / "plain_task.yaml").write_text("include: arith_gen.yaml\ntask: pe_arith_plain\n")
+    (tmp_path / "plain.yaml").write_text("group: pe_plain\ntask: [pe_arith_plain]\n")
+    suite = EvalSuite(datasets=(_lm(tasks=("pe_outer", "pe_tag", "pe_plain"), task_dir=str(tmp_path), max_prompts=3),))
+    (ds,) = suite.resolved()
+    done = _child(_dummy(ds, tmp_path), tmp_path, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "o.json").read_text())
+    assert set(result["groups"]) == {"pe_outer", "pe_mixed"}  # type: ignore[arg-type]
+
+    by_row = _samples(ds, result, "5")
+
+    assert [(s.prompt_index, s.metadata["lm_eval_task"]) for s in by_row["pe_outer"]] == [
+        (i, t) for i, t in enumerate(t for t in ("pe_arith_gen", "pe_colour_mc", "pe_colour_mc_qa") for _ in range(3))]
+    assert [(s.prompt_index, s.metadata["lm_eval_task"]) for s in by_row["pe_tag"]] == [
+        (9, "pe_arith_tagged"), (10, "pe_arith_tagged"), (11, "pe_arith_tagged")]
+    assert [s.metadata["lm_eval_task"] for s in by_row["pe_plain"]] == ["pe_arith_plain"] * 3
+    assert "lm_eval_groups" not in by_row["pe_plain"][0].metadata
+    groups = result["groups"]
+    assert isinstance(groups, dict)
+    mixed, outer = groups["pe_mixed"], groups["pe_outer"]
+    got = lm_eval_metrics([s for rows in by_row.values() for s in rows])
+    assert {k: v for k, v in got.items() if k.startswith(("eval/pe_mixed/", "eval/pe_outer/"))} == {
+        "eval/pe_mixed/exact_match": mixed["exact_match,none"],
+        "eval/pe_mixed/exact_match_stderr": mixed["exact_match_stderr,none"],
+        "eval/pe_mixed/acc": mixed["acc,none"], "eval/pe_mixed/acc_stderr": mixed["acc_stderr,none"],
+        "eval/pe_mixed/acc_norm": mixed["acc_norm,none"],
+        "eval/pe_mixed/acc_norm_stderr": mixed["acc_norm_stderr,none"],
+        "eval/pe_outer/acc": outer["acc,none"], "eval/pe_outer/acc_stderr": outer["acc_stderr,none"]}
+    results = result["results"]
+    assert isinstance(results, dict)
+    colour, qa = results["pe_colour_mc"], results["pe_colour_mc_qa"]
+    assert got["eval/pe_mixed/acc"] == pytest.approx((colour["acc,none"] + qa["acc,none"]) / 2)  # by size: 3 and 3
+    assert got["eval/pe_colour_mc_qa/acc"] == qa["acc,none"]
+    assert got["eval/pe_arith_tagged/exact_match"] == results["pe_arith_tagged"]["exact_match,none"] == 0.0
+    assert "eval/pe_arith_plain/exact_match" in got and not [k for k in got if k.startswith("eval/pe_plain/")]
+
+
+def test_a_task_named_twice_directly_and_through_its_group_is_lm_evals_duplicate_error(tmp_path: Path) -> None:
+    suite = EvalSuite(datasets=(_lm(tasks=("pe_mixed", "pe_arith_gen"), task_dir=str(TASKS), max_prompts=1),))
+    done = _child(_dummy(suite.resolved()[0], tmp_path), TASKS, tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ValueError: Duplicate task 'pe_arith_gen': found in both 'pe_mixed' and 'pe_arith_gen'")
