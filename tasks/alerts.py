@@ -1,6 +1,7 @@
 """Outcome events of the eval-point flow (docs/alerts.md): what automations notify on.
 
-- `pinned-eval.point.measured`: one per dataset measured, payload = its metrics;
+- `pinned-eval.point.measured`: one per dataset measured, payload = its metrics; a point that ran
+  only delegates (no dataset due) emits one for the point, payload = its point-level metrics;
 - `pinned-eval.point.regressed`: one per measured dataset that the suite block's regression rule
   flags against the run's earlier ledger rows (payload: `Regression`); none without a rule or
   without a ledger (logged);
@@ -53,6 +54,17 @@ def emit_measured(
     """Emit `measured` per dataset, then `regressed` for those the rule flags; returns the regressions."""
     for ds, metrics in per_dataset.items():
         _emit(EVENT_MEASURED, resource=point_resource(run, step, ds), payload={"metrics": metrics})
+    return _regressions(run, step, per_dataset, rule, jsonl_path)
+
+
+def emit_point_measured(run: str, step: int, metrics: dict[str, float]) -> None:
+    """`measured` for a point without datasets (its delegates' metrics are point-level)."""
+    _emit(EVENT_MEASURED, resource=point_resource(run, step), payload={"metrics": metrics})
+
+
+def _regressions(
+    run: str, step: int, per_dataset: dict[str, dict[str, float]], rule: RegressionRule | None, jsonl_path: str | None
+) -> list[Regression]:
     if rule is None:
         return []
     if not jsonl_path:

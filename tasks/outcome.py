@@ -34,7 +34,7 @@ from pinned_eval.scoring.metrics import point_metrics
 from pinned_eval.sinks import Ledger, MetricRow
 from pinned_eval.skips import EvalSkipped, SkipReason
 from pinned_eval.snapshot.staging import RetireResult, Staging
-from tasks.alerts import emit_failed, emit_measured, emit_skipped
+from tasks.alerts import emit_failed, emit_measured, emit_point_measured, emit_skipped
 from tasks.log import log_point, measured_rows, sink_note, skip_rows
 from tasks.measure import Measured
 from tasks.progress import lag_steps
@@ -64,6 +64,8 @@ def record_measured(
         MetricRow(run=run, step=step, state="measured", weight_version=str(step), metrics=point)]
     sink_errors = log_point(run, step, rows, sinks, measured.samples)
     regressed = emit_measured(run, step, per_dataset, suite.regression, sinks.jsonl_path)
+    if not per_dataset:
+        emit_point_measured(run, step, rows[0].metrics)
     summary = "; ".join(filter(None, [", ".join(f"{ds}={m[f'eval/{ds}']:.3f}" for ds, m in per_dataset.items()),
                                       f"{len(delegated)} delegate metrics" if delegated else ""]))
     summary += f" (not due: {', '.join(not_due)})" if not_due else ""

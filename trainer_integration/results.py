@@ -51,6 +51,10 @@ class PointOutcome(BaseModel):
     flow_run_id: str | None = None
     flow_runs: int = Field(default=0, description="Flow runs seen for this step (1 expected).")
     metrics: dict[str, dict[str, float]] = Field(default_factory=dict, description="dataset -> metrics")
+    point_metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="A measured point's point-level row (no dataset): a point that ran only delegates.",
+    )
 
 
 def point_outcome(step: int, runs: list[PointRun], rows: dict[str | None, dict[str, float]]) -> PointOutcome:
@@ -60,7 +64,9 @@ def point_outcome(step: int, runs: list[PointRun], rows: dict[str | None, dict[s
     kind = state_outcome(run.state_type, run.state_name) if run.terminal else "pending"
     state: OutcomeState = "pending" if kind in ("running", "scheduled") else kind  # type: ignore[assignment]
     reason = reason_of(kind, run.message)
-    metrics = {k: v for k, v in rows.items() if k is not None} if state == "measured" else {}
+    measured = state == "measured"
+    metrics = {k: v for k, v in rows.items() if k is not None} if measured else {}
+    point_metrics = rows.get(None, {}) if measured else {}
     return PointOutcome(
         step=step,
         state=state,
@@ -69,14 +75,16 @@ def point_outcome(step: int, runs: list[PointRun], rows: dict[str | None, dict[s
         flow_run_id=run.id,
         flow_runs=len(runs),
         metrics=metrics,
+        point_metrics=point_metrics,
     )
 
 
 def metric_value(outcome: PointOutcome, metric: str) -> float | None:
-    """`metric` of a measured point (from whichever dataset's row holds it), else None."""
+    """`metric` of a measured point (from whichever dataset's row holds it, else its point-level
+    row: a delegate's metric where no dataset ran), else None."""
     if outcome.state != "measured":
         return None
-    return next((m[metric] for m in outcome.metrics.values() if metric in m), None)
+    return next((m[metric] for m in (*outcome.metrics.values(), outcome.point_metrics) if metric in m), None)
 
 
 def best_of(

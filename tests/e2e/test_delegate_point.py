@@ -32,10 +32,12 @@ from prefect import get_client
 from blocks import FleetBlock, SinksBlock, StagingBlock
 from flows.eval_point import eval_point
 from pinned_eval.delegate import request_body
+from pinned_eval.events import EVENT_MEASURED, point_resource
 from pinned_eval.settings import PrefectApiSettings
 from pinned_eval.sinks import JsonlSink
 from pinned_eval.suite import EvalSuite
 from tasks.delegate import DELEGATE_CALLS
+from tests.eventkit import settled_events
 from tests.pointkit import CpuFleet, PointEnv, save_point_blocks, write_step_snapshot
 from trainer_integration.miles_adapter import AdapterConfig, PinnedEvalREST, collect_point
 
@@ -216,6 +218,8 @@ def test_a_step_with_no_dataset_due_measures_the_delegate_alone(
     out = asyncio.run(_collect(prefect_server, env.run, str(state.state_details.flow_run_id), 6))
     assert (out.data, {k: v for k, v in out.metrics.items() if k.startswith(("eval/aime25/", "eval/hle/"))}) == (
         {}, delegated)
+    [event] = settled_events(EVENT_MEASURED, point_resource(env.run, 6)["prefect.resource.id"])  # one, for the point
+    assert event["payload"]["metrics"] == row.metrics
 
 
 async def _collect(api_url: str, run: str, flow_run_id: str, step: int) -> Any:
