@@ -8,7 +8,7 @@ folds them into metrics at each scrape (`PointMetricsCollector`):
 - `events/<ns>-<pid>-<n>.json`: one per point outcome (run, outcome, reason, seconds) or pin
   (fleet, seconds), written to a temp name `.tmp-p<pid>s<start>-...` then renamed, so a scrape
   never reads half a file; a temp file is never counted, and a scrape removes one whose writer is
-  provably gone (killed before its rename; `prometheus_totals.sweep_temps`); never rewritten; the
+  provably gone (killed before its rename; `writer_temps.sweep_temps`); never rewritten; the
   next scrape sums it into `totals.json` and removes it, crash-safe
   (`pinned_eval.prometheus_totals`), so counts are exact and survive a worker restart (the
   directory stays) and a scrape reads only the events since the last one;
@@ -45,10 +45,9 @@ from pinned_eval.prometheus_totals import (
     PointEvent,
     TotalsUnreadableError,
     fold,
-    sweep_temps,
-    temp_name,
 )
 from pinned_eval.trusted_paths import make_private_dir
+from pinned_eval.writer_temps import sweep_temps, temp_name
 
 log = logging.getLogger(__name__)
 METRICS_DIR_ENV = "PINNED_EVAL_METRICS_DIR"

@@ -56,6 +56,7 @@ class Deliverer:
 
     def deliver_pending(self, stop: threading.Event | None, deadline: float | None = None) -> int:
         """Send every waiting envelope (until `stop` is set or `deadline`); returns how many."""
+        self.outbox.sweep()
         done = 0
         for path in self.outbox.pending():
             if (stop is not None and stop.is_set()) or (deadline is not None and time.monotonic() > deadline):

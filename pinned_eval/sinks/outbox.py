@@ -16,11 +16,13 @@ runs itself. The ledger row of a point is written before its envelope: the recor
 - **Served or not**: the deliverer holds an exclusive `flock` on `<outbox>/.deliverer.lock` for
   its life (one deliverer per outbox). A point defers only while that lock is held; otherwise
   nobody would send, so it exports inline, as a point run outside the worker always does.
-- **Envelopes**: `<time ns>-<pid>-<n>.json`, mode 0600, written under a `.tmp-` name then
-  renamed, so a deliverer never reads half of one; sent oldest first (by name). One is removed
-  only once each parcel was sent or its failure noted: a deliverer that dies in between sends it
-  again at its next start (the tracker may then hold that step twice, as after a retry). One that
-  cannot be read is moved to `rejected/`, with a warning, never deleted.
+- **Envelopes**: `<time ns>-<pid>-<n>.json`, mode 0600, written under a temp name then renamed,
+  so a deliverer never reads half of one (the temp file of a point killed in between is removed
+  by the deliverer once that process is provably gone: `pinned_eval.writer_temps`); sent oldest
+  first (by name). One is removed only once each parcel was sent or its failure noted: a
+  deliverer that dies in between sends it again at its next start (the tracker may then hold that
+  step twice, as after a retry). One that cannot be read is moved to `rejected/`, with a
+  warning, never deleted.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pinned_eval.sinks.exporters import Exporter, Parcel, PointRecord
 from pinned_eval.trusted_paths import make_private_dir, open_trusted_file
+from pinned_eval.writer_temps import sweep_temps, temp_name
 
 log = logging.getLogger(__name__)
 OUTBOX_ENV = "PINNED_EVAL_OUTBOX_DIR"
@@ -117,7 +120,7 @@ class Outbox:
     def post(self, envelope: Envelope) -> Path:
         """Write `envelope` for the deliverer; returns its path."""
         path = self.root / f"{time.time_ns():020d}-{os.getpid()}-{next(_seq)}.json"
-        tmp = path.with_name(f".tmp-{path.name}")
+        tmp = path.with_name(temp_name(path.name))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -127,6 +130,10 @@ class Outbox:
             raise
         os.rename(tmp, path)
         return path
+
+    def sweep(self) -> None:
+        """Remove the temp files of posts whose process died before the rename (`writer_temps`)."""
+        sweep_temps(self.root, lambda name: log.warning("outbox: removed %s: its point died before posting it", name))
 
     def pending(self) -> list[Path]:
         """The envelopes waiting, oldest first."""

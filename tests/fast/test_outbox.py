@@ -255,3 +255,23 @@ def test_the_worker_command_names_exports_left_waiting(tmp_path: Path, capsys: p
     _note_waiting_exports(outbox.root)
     assert capsys.readouterr().err == (f"2 tracker export(s) (W&B, MLflow) wait in {outbox.root}: the next "
                                        "`pinned-eval worker` sends them\n")
+
+
+def test_the_temp_file_of_a_point_killed_before_posting_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
+    from pinned_eval import writer_temps
+
+    outbox = Outbox(tmp_path / "outbox")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ticks = writer_temps._start_ticks(child.pid)
+        dead = outbox.root / f".tmp-p{child.pid}s{ticks}-00000000000000000001-{child.pid}-0.json"
+        dead.write_text("{half")
+        mine = outbox.root / writer_temps.temp_name("00000000000000000002-1-0.json")
+        mine.write_text("{half")
+        Deliverer(outbox).deliver_pending(None)
+        assert dead.exists() and mine.exists(), "writers alive: both kept, neither read"
+    finally:
+        child.kill()
+        child.wait()
+    assert Deliverer(outbox).deliver_pending(None) == 0
+    assert not dead.exists() and mine.exists() and outbox.pending() == []

@@ -18,6 +18,7 @@ import pytest
 
 from pinned_eval import prometheus as prom
 from pinned_eval import prometheus_totals as totals_mod
+from pinned_eval import writer_temps
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -257,7 +258,7 @@ def test_a_temp_file_is_removed_only_when_its_writer_is_provably_gone(root: Path
     me = os.getpid()
     dead = subprocess.Popen(["true"])
     dead.wait()
-    own = totals_mod.temp_name("1-1-1.json")
+    own = writer_temps.temp_name("1-1-1.json")
     start = int(own.split("-")[1].partition("s")[2])
     assert own == f".tmp-p{me}s{start}-1-1-1.json" and start > 0
     names = {own: True, f".tmp-p{me}s{start + 1}-a.json": False, f".tmp-p{me}s0-b.json": True,
@@ -276,12 +277,12 @@ def test_a_start_time_is_read_past_a_process_name_with_spaces_and_parentheses(tm
     shutil.copy("/bin/sleep", odd)
     child = subprocess.Popen([str(odd), "600"])
     try:
-        ticks = totals_mod._start_ticks(child.pid)
+        ticks = writer_temps._start_ticks(child.pid)
         assert ticks is not None and psutil.Process(child.pid).name() == odd.name
         assert abs(psutil.boot_time() + ticks / os.sysconf("SC_CLK_TCK")
                    - psutil.Process(child.pid).create_time()) < 0.05
-        assert not totals_mod._writer_gone(child.pid, ticks) and totals_mod._writer_gone(child.pid, ticks + 1)
+        assert not writer_temps._writer_gone(child.pid, ticks) and writer_temps._writer_gone(child.pid, ticks + 1)
     finally:
         child.kill()
         child.wait()
-    assert totals_mod._start_ticks(child.pid) is None
+    assert writer_temps._start_ticks(child.pid) is None
