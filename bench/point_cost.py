@@ -12,7 +12,7 @@ builtin `arith_add`, 4 prompts, `max_new_tokens` 4. Per point, after one warm-up
   is a slot refused because its limit is held (the caller waits the `Retry-After`); a 503 is the
   SQLite server's "database is locked" (the increment's read-then-write transaction lost to a
   concurrent write of the server's own event services), which Prefect's client retries after
-  2 s (±jitter), so a point with a 503 takes ~2 s longer;
+  2 s (±jitter), so a point with a 503 takes ~2 s longer; `other 503s`: those of every other call;
 - `wall s/point` (noisy), also split by points with and without a 503;
 - `s after final state`: from the answer to the flow run's last `set_state` to the return of
   `eval_point(...)`: Prefect's sync flow engine joins its heartbeat thread there, which sleeps
@@ -115,7 +115,7 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
         params = {kind: f"{kind}-{tag}" for kind in ("suite", "fleet", "staging", "sinks")}
         source = {"kind": "hf", "path": model, "require_marker": False}
         out: dict[str, list[Any]] = {"wall": [], "requests": [], "logs": [], "task_runs": [], "artifacts": [],
-                                     "calls": [], "locked": [], "busy": [], "end_wait": []}
+                                     "calls": [], "locked": [], "busy": [], "other_busy": [], "end_wait": []}
         for step in range(points + 1):  # step 0: warm-up (imports, limit creation, first client)
             calls.clear()
             answers.clear()
@@ -152,6 +152,7 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
             out["calls"].append(dict(Counter(x for x in calls if not x.startswith("POST /logs"))))
             out["locked"].append(sum(1 for c, status, _ in answers if c == _SLOT and status == 423))
             out["busy"].append(sum(1 for c, status, _ in answers if c == _SLOT and status == 503))
+            out["other_busy"].append(sum(1 for c, status, _ in answers if c != _SLOT and status == 503))
             final = [at for c, _, at in answers if c == "POST /flow_runs/{id}/set_state"][-1]
             out["end_wait"].append(returned - final)
     return out
@@ -182,7 +183,8 @@ def table(samples: dict[str, dict[str, list[Any]]], base: str) -> list[str]:
              f"{'measure':<26}{'base':>10}{'this tree':>12}{'ratio':>8}"]
     for name, key in (("api requests/point", "requests"), ("task runs/point", "task_runs"),
                       ("artifacts/point", "artifacts"), ("log posts/point", "logs"),
-                      ("slot 423s/point", "locked"), ("slot 503s/point", "busy")):
+                      ("slot 423s/point", "locked"), ("slot 503s/point", "busy"),
+                      ("other 503s/point", "other_busy")):
         ratio = _ratio(statistics.median(a[key]), statistics.median(b[key]))
         lines.append(f"{name:<26}{_one(b[key]):>10}{_one(a[key]):>12}{ratio}")
     for name, key in (("wall s/point (median)", "wall"), ("s after final state (med.)", "end_wait")):

@@ -35,7 +35,8 @@ def test_table_shows_exact_counts_ratios_and_the_calls_that_differ() -> None:
              end_wait: list[float]) -> dict[str, list[object]]:
         n = len(requests)
         return {"requests": requests, "task_runs": [7] * n, "artifacts": [2] * n, "logs": [1, 2, 1][:n],
-                "wall": wall, "calls": calls, "locked": [0] * n, "busy": busy, "end_wait": end_wait}
+                "wall": wall, "calls": calls, "locked": [0] * n, "busy": busy, "other_busy": [0] * n,
+                "end_wait": end_wait}
 
     same = {"POST /b": 1}
     samples = {  # GET /a: once more per point in this tree; POST /c: retried in one base point, absent here
@@ -52,6 +53,7 @@ def test_table_shows_exact_counts_ratios_and_the_calls_that_differ() -> None:
         "log posts/point                  1-2         1-2    1.00",
         "slot 423s/point                    0           0       -",
         "slot 503s/point                  0-1           0       -",
+        "other 503s/point                   0           0       -",
         "wall s/point (median)           3.00        3.30    1.10",
         "s after final state (med.)      0.50        0.20    0.40",
         "wall s, no 503 (median)         2.50        3.30  (2 and 3 points)",
