@@ -24,11 +24,14 @@ import httpx
 import pytest
 from prefect import get_client
 from prefect.client.orchestration import PrefectClient
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from blocks import FleetBlock
 from flows.eval_point import eval_point
 from pinned_eval.points import inflight_limit_name
+from tasks.admission import exclusive
 from tests.pointkit import CpuFleet, save_point_blocks
+from tests.reliability.netfaults import FaultyHTTPProxy, Rule
 
 pytestmark = pytest.mark.e2e
 
@@ -85,3 +88,21 @@ def test_consecutive_points_get_each_slot_at_the_first_request_and_release_both_
     assert per_point == [expected, expected]
     with get_client(sync_client=True) as c:
         assert [c.read_global_concurrency_limit_by_name(n[0]).active_slots for n in (inflight, fleet_lock)] == [0, 0]
+
+
+def test_a_503_while_acquiring_is_retried_by_prefects_client_inside_one_slot_request(prefect_server: str) -> None:
+    """What a point meets when the SQLite server's increment loses its write race: the 503 is
+    retried by Prefect's HTTP client (after ~2 s), the slot is granted at the second try, and the
+    slot service made one request."""
+    name = f"fleet-busy-{uuid.uuid4().hex[:8]}"  # a new name: a slot service of its own, through the proxy
+    proxy = FaultyHTTPProxy(
+        prefect_server.removesuffix("/api"),
+        [Rule("error", methods=("POST",), path_contains="increment-with-lease", times=1, status=503)],
+    )
+    try:
+        with slot_calls() as log, temporary_settings({PREFECT_API_URL: f"{proxy.url}/api"}), exclusive(name):
+            pass
+    finally:
+        proxy.close()
+    assert [s.action for s in proxy.requests if "increment-with-lease" in s.path] == ["error", "pass"]
+    assert log == [("granted", (name,)), ("released", (name,))]
