@@ -1,5 +1,6 @@
 """Consecutive eval points on one fleet: every slot is granted at its first request, and released
-before the point returns (docs/guarantees.md: one point pins and measures on a fleet at a time).
+before the point returns (`tasks.admission`: the in-flight slot, and the fleet lock under which
+one point pins and measures on a fleet at a time).
 
 What a slow second point would look like if the previous point's fleet lock or in-flight slot
 were released lazily: its request for the slot refused with a 423 and repeated after the
