@@ -8,10 +8,18 @@ builtin `arith_add`, 4 prompts, `max_new_tokens` 4. Per point, after one warm-up
 - `api requests`: HTTP requests to the Prefect API made while the flow ran (every `httpx` send to
   the API URL; log batches, which a background worker posts on a timer, counted apart);
 - `task runs`, `artifacts`: read back from the API by the flow run's id;
-- `wall s/point`: seconds of `eval_point(...)` (noisy).
-Requests, task runs and artifacts are exact counts (`a-b`: the range over the points; a slot's
-`increment-with-lease` is retried while the limit is held, so requests vary by a call or two); the
-calls whose per-point counts differ between the checkouts are listed (method and path, ids elided).
+- `slot 423s`, `slot 503s`: answers to `POST /v2/concurrency_limits/increment-with-lease`. A 423
+  is a slot refused because its limit is held (the caller waits the `Retry-After`); a 503 is the
+  SQLite server's "database is locked" (the increment's read-then-write transaction lost to a
+  concurrent write of the server's own event services), which Prefect's client retries after
+  2 s (±jitter), so a point with a 503 takes ~2 s longer; `other 503s`: those of every other call;
+- `wall s/point` (noisy), also split by points with and without a 503;
+- `s after final state`: from the answer to the flow run's last `set_state` to the return of
+  `eval_point(...)`: Prefect's sync flow engine joins its heartbeat thread there, which sleeps
+  in 1 s steps (0-1 s).
+Requests, task runs and artifacts are exact counts (`a-b`: the range over the points; a 503 adds
+one `increment-with-lease` request); the calls whose per-point counts differ between the
+checkouts are listed (method and path, ids elided).
 
 `python -m bench point_cost --base REV [--rounds N] [--points N]`
 """
@@ -30,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+_SLOT = "POST /v2/concurrency_limits/increment-with-lease"
 _ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -58,23 +67,40 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
         defaults=SamplingDefaults(temperature=0.0, max_new_tokens=4, n_samples_per_prompt=1, reward="exact_match"),
     )
     calls: list[str] = []
+    answers: list[tuple[str, int, float]] = []  # (call, status or 0 when none, time of the answer)
     recording = [False]
 
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp) / "home") as server:
         api = server.api_url.rstrip("/")
 
+        def sent(request: httpx.Request) -> str | None:
+            if not (recording[0] and str(request.url).startswith(api)):
+                return None
+            calls.append(_call(request.method, str(request.url), api))
+            return calls[-1]
+
+        def answered(call: str | None, response: Any) -> None:
+            if call is not None:
+                answers.append((call, getattr(response, "status_code", 0), time.perf_counter()))
+
         def wrap(cls: Any, name: str) -> None:
             orig = getattr(cls, name)
             if name == "send" and cls is httpx.AsyncClient:
                 async def send(self: Any, request: httpx.Request, *a: Any, **kw: Any) -> Any:
-                    if recording[0] and str(request.url).startswith(api):
-                        calls.append(_call(request.method, str(request.url), api))
-                    return await orig(self, request, *a, **kw)
+                    call, response = sent(request), None
+                    try:
+                        response = await orig(self, request, *a, **kw)
+                        return response
+                    finally:
+                        answered(call, response)
             else:
                 def send(self: Any, request: httpx.Request, *a: Any, **kw: Any) -> Any:  # type: ignore[misc]
-                    if recording[0] and str(request.url).startswith(api):
-                        calls.append(_call(request.method, str(request.url), api))
-                    return orig(self, request, *a, **kw)
+                    call, response = sent(request), None
+                    try:
+                        response = orig(self, request, *a, **kw)
+                        return response
+                    finally:
+                        answered(call, response)
             setattr(cls, name, send)
 
         wrap(httpx.AsyncClient, "send")
@@ -89,13 +115,15 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
         params = {kind: f"{kind}-{tag}" for kind in ("suite", "fleet", "staging", "sinks")}
         source = {"kind": "hf", "path": model, "require_marker": False}
         out: dict[str, list[Any]] = {"wall": [], "requests": [], "logs": [], "task_runs": [], "artifacts": [],
-                                     "calls": []}
+                                     "calls": [], "locked": [], "busy": [], "other_busy": [], "end_wait": []}
         for step in range(points + 1):  # step 0: warm-up (imports, limit creation, first client)
             calls.clear()
+            answers.clear()
             recording[0] = True
             t0 = time.perf_counter()
             state = eval_point(run="pc", step=step, source=source, **params, return_state=True)
-            wall = time.perf_counter() - t0
+            returned = time.perf_counter()
+            wall = returned - t0
             recording[0] = False
             if state.name != "Completed":
                 raise SystemExit(f"point {step}: {state.name}: {state.message}")
@@ -122,6 +150,11 @@ def probe(points: int, state_file: str, model: str) -> dict[str, list[Any]]:
             out["task_runs"].append(len(runs))
             out["artifacts"].append(len(arts))
             out["calls"].append(dict(Counter(x for x in calls if not x.startswith("POST /logs"))))
+            out["locked"].append(sum(1 for c, status, _ in answers if c == _SLOT and status == 423))
+            out["busy"].append(sum(1 for c, status, _ in answers if c == _SLOT and status == 503))
+            out["other_busy"].append(sum(1 for c, status, _ in answers if c != _SLOT and status == 503))
+            final = [at for c, _, at in answers if c == "POST /flow_runs/{id}/set_state"][-1]
+            out["end_wait"].append(returned - final)
     return out
 
 
@@ -135,17 +168,32 @@ def _seen(per_point: list[dict[str, int]], call: str) -> str:
     return _one([counts.get(call, 0) for counts in per_point])
 
 
+def _ratio(after: float, before: float) -> str:
+    return f"{after / before:>8.2f}" if before else f"{'-':>8}"
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}" if values else "-"
+
+
 def table(samples: dict[str, dict[str, list[Any]]], base: str) -> list[str]:
     """The printed comparison: one row per measure, base vs this tree with the ratio of medians."""
     b, a = samples["base"], samples["this tree"]
     lines = [f"base {base} vs this tree; {len(a['wall'])} points each",
              f"{'measure':<26}{'base':>10}{'this tree':>12}{'ratio':>8}"]
     for name, key in (("api requests/point", "requests"), ("task runs/point", "task_runs"),
-                      ("artifacts/point", "artifacts"), ("log posts/point", "logs")):
-        ratio = statistics.median(a[key]) / statistics.median(b[key]) if statistics.median(b[key]) else float("nan")
-        lines.append(f"{name:<26}{_one(b[key]):>10}{_one(a[key]):>12}{ratio:>8.2f}")
-    wb, wa = statistics.median(b["wall"]), statistics.median(a["wall"])
-    lines.append(f"{'wall s/point (median)':<26}{wb:>10.2f}{wa:>12.2f}{wa / wb:>8.2f}")
+                      ("artifacts/point", "artifacts"), ("log posts/point", "logs"),
+                      ("slot 423s/point", "locked"), ("slot 503s/point", "busy"),
+                      ("other 503s/point", "other_busy")):
+        ratio = _ratio(statistics.median(a[key]), statistics.median(b[key]))
+        lines.append(f"{name:<26}{_one(b[key]):>10}{_one(a[key]):>12}{ratio}")
+    for name, key in (("wall s/point (median)", "wall"), ("s after final state (med.)", "end_wait")):
+        wb, wa = statistics.median(b[key]), statistics.median(a[key])
+        lines.append(f"{name:<26}{wb:>10.2f}{wa:>12.2f}{_ratio(wa, wb)}")
+    for name, busy in (("wall s, no 503 (median)", False), ("wall s, a 503 (median)", True)):
+        split = [[w for w, n in zip(side["wall"], side["busy"], strict=True) if (n > 0) == busy] for side in (b, a)]
+        lines.append(f"{name:<26}{_median(split[0]):>10}{_median(split[1]):>12}"
+                     f"  ({len(split[0])} and {len(split[1])} points)")
     for call in sorted({c for side in (b, a) for per_point in side["calls"] for c in per_point}):
         seen_b, seen_a = _seen(b["calls"], call), _seen(a["calls"], call)
         if seen_b != seen_a:

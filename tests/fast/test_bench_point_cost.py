@@ -31,16 +31,18 @@ def test_a_call_is_its_method_and_path_with_ids_elided() -> None:
 
 
 def test_table_shows_exact_counts_ratios_and_the_calls_that_differ() -> None:
-    def side(requests: list[int], wall: list[float], calls: list[dict[str, int]]) -> dict[str, list[object]]:
+    def side(requests: list[int], wall: list[float], calls: list[dict[str, int]], busy: list[int],
+             end_wait: list[float]) -> dict[str, list[object]]:
         n = len(requests)
         return {"requests": requests, "task_runs": [7] * n, "artifacts": [2] * n, "logs": [1, 2, 1][:n],
-                "wall": wall, "calls": calls}
+                "wall": wall, "calls": calls, "locked": [0] * n, "busy": busy, "other_busy": [0] * n,
+                "end_wait": end_wait}
 
     same = {"POST /b": 1}
     samples = {  # GET /a: once more per point in this tree; POST /c: retried in one base point, absent here
         "base": side([40, 40, 41], [2.0, 4.0, 3.0],
-                     [{"GET /a": 2, **same}] * 2 + [{"GET /a": 2, "POST /c": 1, **same}]),
-        "this tree": side([41, 41, 41], [3.0, 3.3, 9.0], [{"GET /a": 3, **same}] * 3),
+                     [{"GET /a": 2, **same}] * 2 + [{"GET /a": 2, "POST /c": 1, **same}], [0, 1, 0], [0.5, 0.2, 0.9]),
+        "this tree": side([41, 41, 41], [3.0, 3.3, 9.0], [{"GET /a": 3, **same}] * 3, [0, 0, 0], [0.1, 0.3, 0.2]),
     }
     assert point_cost.table(samples, "11ae352") == [  # type: ignore[arg-type]
         "base 11ae352 vs this tree; 3 points each",
@@ -49,7 +51,13 @@ def test_table_shows_exact_counts_ratios_and_the_calls_that_differ() -> None:
         "task runs/point                    7           7    1.00",
         "artifacts/point                    2           2    1.00",
         "log posts/point                  1-2         1-2    1.00",
+        "slot 423s/point                    0           0       -",
+        "slot 503s/point                  0-1           0       -",
+        "other 503s/point                   0           0       -",
         "wall s/point (median)           3.00        3.30    1.10",
+        "s after final state (med.)      0.50        0.20    0.40",
+        "wall s, no 503 (median)         2.50        3.30  (2 and 3 points)",
+        "wall s, a 503 (median)          4.00           -  (1 and 0 points)",
         "  differs: GET /a: 2 -> 3",
         "  differs: POST /c: 0-1 -> 0",
     ]
