@@ -89,8 +89,8 @@ def test_threads_of_one_process_writing_points_and_one_point_lose_and_duplicate_
 _WRITER = """
 import sys
 from pinned_eval.sinks import Ledger, MetricRow
-led = Ledger(sys.argv[1])
 first, n, width = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+led = Ledger(sys.argv[1], compact_min_bytes=int(sys.argv[5]))
 def rows(run, step, value):
     return [MetricRow(run=run, step=step, dataset=f"d{i}", state="measured", metrics={"eval/x": value})
             for i in range(width)]
@@ -104,8 +104,8 @@ print("done", flush=True)
 """
 
 
-def _start(path: Path, first: int, n: int, width: int) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(first), str(n), str(width)],
+def _start(path: Path, first: int, n: int, width: int, compact_at: int = 8 << 20) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(first), str(n), str(width), str(compact_at)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -124,8 +124,9 @@ def _one_complete_write(rows: list[MetricRow], width: int) -> None:
 
 
 def test_two_processes_writing_their_points_and_one_shared_point_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    """Each rewrites the shared point twice a step: compactions run while the other appends."""
     path, n = tmp_path / "m.jsonl", 25
-    procs = [_start(path, first, n, 3) for first in (0, 1000)]
+    procs = [_start(path, first, n, 3, compact_at=1024) for first in (0, 1000)]
     try:
         _go(procs)
         for p in procs:
@@ -214,27 +215,52 @@ def pause():
     print("paused", flush=True)
     sys.stdin.readline()
 def half_then_pause(f, lines):
-    real_write(f, lines[: len(lines) // 2]); f.flush(); pause()
+    real_write(f, lines[: len(lines) // 2]); f.flush(); pause(); real_write(f, lines[len(lines) // 2 :])
 def synced_then_pause(tmp, dest):
-    ledger_file.fsync_path(tmp); pause()
+    ledger_file.fsync_path(tmp); pause(); real_replace(tmp, dest)
 if where == "writing":
     ledger_file.write_lines = half_then_pause
 else:
     ledger_file.replace_durably = synced_then_pause
-Ledger(sys.argv[1]).compact()
+print("compacted", Ledger(sys.argv[1]).compact(), flush=True)
 """
+
+
+def _compactor(led: Ledger, where: str) -> subprocess.Popen[str]:
+    for i in range(50):
+        led.write_point([_row("a", i % 5, i), _row("a", i % 5, i, "sub")])
+    with open(led.path, "ab") as f:
+        f.write(b"not a row\n")
+    return subprocess.Popen([sys.executable, "-c", _COMPACTOR, str(led.path), where], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=ENV)
+
+
+@pytest.mark.parametrize("where", ["writing", "before-rename"])
+def test_a_write_during_another_process_compaction_waits_for_it_and_is_kept(tmp_path: Path, where: str) -> None:
+    led = Ledger(tmp_path / "m.jsonl")
+    proc, new = _compactor(led, where), _row("b", 1, 0.5)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "paused"
+        writer = threading.Thread(target=led.write_point, args=([new],))
+        writer.start()  # blocks on the lock (without it: appended to the file being replaced, lost)
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+        assert proc.stdout.readline().strip() == "compacted True" and proc.wait(timeout=30) == 0
+        writer.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert led.read("b") == [new] and len(led.read("a")) == 10
 
 
 @pytest.mark.parametrize("where", ["writing", "before-rename"])
 def test_a_compaction_killed_mid_way_leaves_the_old_file_whole(tmp_path: Path, where: str) -> None:
     led = Ledger(tmp_path / "m.jsonl")
-    for i in range(50):
-        led.write_point([_row("a", i % 5, i), _row("a", i % 5, i, "sub")])
-    with open(led.path, "ab") as f:
-        f.write(b"not a row\n")
-    old_bytes, old_rows = led.path.read_bytes(), led.read()
-    proc = subprocess.Popen([sys.executable, "-c", _COMPACTOR, str(led.path), where], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=ENV)
+    proc = _compactor(led, where)
+    old_bytes = led.path.read_bytes()
+    old_rows = led.read()
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "paused"
         assert [p.name.endswith(".tmp") for p in tmp_path.iterdir()].count(True) == 1  # the new file, mid-way
