@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from pinned_eval.durable import replace_durably
 from pinned_eval.sinks import Ledger, MetricRow
@@ -54,9 +55,9 @@ class _Rewrite:
         out: list[tuple[bytes, MetricRow | None]] = []
         with open(self.path, "rb") as f:
             for raw in f:
-                if wanted is not None and (head := HEAD.match(raw)) is not None:
-                    if not wanted(json.loads(head[1]), int(head[2])):
-                        continue
+                head = HEAD.match(raw) if wanted is not None else None
+                if wanted is not None and head is not None and not wanted(json.loads(head[1]), int(head[2])):
+                    continue
                 try:
                     out.append((raw, MetricRow.model_validate_json(raw)))
                 except ValueError:
@@ -89,9 +90,13 @@ def _note(rows: list[MetricRow]) -> list[MetricRow]:
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    return _returned(fn)[0]
+
+
+def _returned(fn: Callable[[], object]) -> tuple[float, object]:
     t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    got = fn()
+    return time.perf_counter() - t, got
 
 
 def _sized(ledger: Ledger, fn: Callable[[], object]) -> tuple[float, int]:
@@ -113,28 +118,33 @@ def run_size(root: Path, n_rows: int, reps: int) -> list[tuple[str, int, float, 
     cells: dict[str, tuple[list[float], list[float], list[int], list[int]]] = {
         op: ([], [], [], []) for op in ("write_point", "update_point", "read(steps=[one])")}
     for i in range(reps):
-        step = points + i
-        t = _timed(lambda: cells["write_point"][2].append(old.write_point(_rows(step))))
-        cells["write_point"][0].append(t)
-        t, grew = _sized(new, lambda: new.write_point(_rows(step)))
-        cells["write_point"][1].append(t)
-        cells["write_point"][3].append(grew)
-        t = _timed(lambda: cells["update_point"][2].append(old.update_point("bench", middle, _note)))
-        cells["update_point"][0].append(t)
-        t, grew = _sized(new, lambda: new.update_point("bench", middle, _note))
-        cells["update_point"][1].append(t)
-        cells["update_point"][3].append(grew)
-        want = middle + 1 + i
-        got_old: list[MetricRow] = []
-        cells["read(steps=[one])"][0].append(_timed(lambda: got_old.extend(old.read({want}))))
-        got_new = []
-        cells["read(steps=[one])"][1].append(_timed(lambda: got_new.extend(new.read("bench", steps={want}))))
-        cells["read(steps=[one])"][2].append(0)
-        cells["read(steps=[one])"][3].append(0)
-        assert [r.key for r in got_old] == [r.key for r in got_new] == [("bench", want, d) for d in DATASETS]
-    assert _note(new.read("bench", steps={middle}))[0].sink_errors == {"mlflow": "bench"}
+        _one_rep(old, new, cells, points + i, middle, middle + 1 + i)
+    assert new.read("bench", steps={middle})[0].sink_errors == {"mlflow": "bench"}
     return [(op, n_rows, statistics.median(o), statistics.median(n), int(statistics.median(ob)),
              int(statistics.median(nb))) for op, (o, n, ob, nb) in cells.items()]
+
+
+def _one_rep(old: _Rewrite, new: Ledger, cells: dict[str, tuple[list[float], list[float], list[int], list[int]]],
+             step: int, middle: int, want: int) -> None:
+    """One call of each operation, old then new: a new point `step`, a note on `middle`, a read of `want`."""
+    for op, call_old, call_new in (
+        ("write_point", lambda: old.write_point(_rows(step)), lambda: new.write_point(_rows(step))),
+        ("update_point", lambda: old.update_point("bench", middle, _note),
+         lambda: new.update_point("bench", middle, _note)),
+    ):
+        t, wrote = _returned(call_old)
+        cells[op][0].append(t)
+        cells[op][2].append(int(cast(int, wrote)))
+        t, grew = _sized(new, call_new)
+        cells[op][1].append(t)
+        cells[op][3].append(grew)
+    got_old: list[MetricRow] = []
+    got_new: list[MetricRow] = []
+    cells["read(steps=[one])"][0].append(_timed(lambda: got_old.extend(old.read({want}))))
+    cells["read(steps=[one])"][1].append(_timed(lambda: got_new.extend(new.read("bench", steps={want}))))
+    cells["read(steps=[one])"][2].append(0)
+    cells["read(steps=[one])"][3].append(0)
+    assert [r.key for r in got_old] == [r.key for r in got_new] == [("bench", want, d) for d in DATASETS]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pinned_eval.sinks import Ledger, MetricRow
-from pinned_eval.sinks import ledger_file
+from pinned_eval.sinks import Ledger, MetricRow, ledger_file
 from pinned_eval.sinks.ledger_file import locked
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +38,8 @@ def test_a_rerun_and_a_note_replace_the_points_rows_for_every_reader(tmp_path: P
     led.write_point([_row("a", 2, 0.3)])
     led.write_point([_row("a", 1, 1.0, None)])  # the rerun: skipped, other datasets than before
     assert _view(led.read()) == [("a", 2, "add", {"eval/add": 0.3}), ("a", 1, None, {"eval/skipped_busy": 1.0})]
-    assert led.update_point("a", 2, lambda rows: [r.model_copy(update={"sink_errors": {"wandb": "down"}}) for r in rows])
+    note = {"sink_errors": {"wandb": "down"}}
+    assert led.update_point("a", 2, lambda rows: [r.model_copy(update=note) for r in rows])
     assert [(r.step, r.sink_errors) for r in led.read("a")] == [(1, {}), (2, {"wandb": "down"})]
     assert [(r.step, r.sink_errors) for r in led.read("a", steps={2})] == [(2, {"wandb": "down"})]
     assert led.update_point("a", 9, lambda rows: rows) is False  # no rows: nothing written
@@ -202,7 +202,8 @@ def test_writes_compact_the_file_when_half_of_it_is_dead_and_never_otherwise(tmp
         sizes.append(led.path.stat().st_size)
     assert led.path.stat().st_ino != inode  # compacted (a new file renamed over it)
     assert max(sizes) < 4 * live + 2 * unit  # bounded by the live rows, not by the writes
-    assert _view(led.read("a", steps={0})) == [("a", 0, "add", {"eval/add": 1399.0}), ("a", 0, "sub", {"eval/sub": 399.0})]
+    assert _view(led.read("a", steps={0})) == [("a", 0, "add", {"eval/add": 1399.0}),
+                                               ("a", 0, "sub", {"eval/sub": 399.0})]
     assert len(led.read()) == 61
 
 
