@@ -7,9 +7,10 @@ append-only ledger does (`pinned_eval.sinks.Ledger`: framed writes). Then, alter
 - `write_point`: a new point of 2 rows. Old: the scheme before 2026-12-05, reproduced here
   (`_Rewrite`: every line read and parsed, the file rewritten to a temp file + fsync + rename under
   the lock). New: one append + fsync under the lock.
-- `update_point`: a sink-failure note on a point in the middle of the file (the deliverer's and the
-  log task's `update_point`). Old: the point's rows read, then the whole rewrite. New: the scan of
-  the file with the other points' lines passed over unparsed, then one append.
+- `update_point`: a sink-failure note (the log task's and the deliverer's `update_point`) on the
+  point just written (`newest`, as they make it) and on a point in the middle of the file. Old:
+  the point's rows read, then the whole rewrite. New: the file read backwards to the point's last
+  write, the scan from there (other points' lines passed over unparsed), then one append.
 - `read(steps=[one])`: the rows of one point (the trainer's `outcomes_of`, `history`).
 
 Each cell is the median of `--reps` calls; `bytes written` is what one call writes (new: the
@@ -116,20 +117,24 @@ def run_size(root: Path, n_rows: int, reps: int) -> list[tuple[str, int, float, 
     old, new = _Rewrite(old_path), Ledger(new_path)
     middle = points // 2
     cells: dict[str, tuple[list[float], list[float], list[int], list[int]]] = {
-        op: ([], [], [], []) for op in ("write_point", "update_point", "read(steps=[one])")}
+        op: ([], [], [], []) for op in ("write_point", "update_point (newest)", "update_point (middle)",
+                                        "read(steps=[one])")}
     for i in range(reps):
-        _one_rep(old, new, cells, points + i, middle, middle + 1 + i)
-    assert new.read("bench", steps={middle})[0].sink_errors == {"mlflow": "bench"}
+        _one_rep(old, new, cells, points + i, middle - 1 - i, middle + 1 + i)  # each note on a point untouched
+    assert new.read("bench", steps={middle - 1})[0].sink_errors == {"mlflow": "bench"}
     return [(op, n_rows, statistics.median(o), statistics.median(n), int(statistics.median(ob)),
              int(statistics.median(nb))) for op, (o, n, ob, nb) in cells.items()]
 
 
 def _one_rep(old: _Rewrite, new: Ledger, cells: dict[str, tuple[list[float], list[float], list[int], list[int]]],
              step: int, middle: int, want: int) -> None:
-    """One call of each operation, old then new: a new point `step`, a note on `middle`, a read of `want`."""
+    """One call of each operation, old then new: a new point `step`, a note on it and on `middle`
+    (written only when the file was seeded), a read of `want`."""
     for op, call_old, call_new in (
         ("write_point", lambda: old.write_point(_rows(step)), lambda: new.write_point(_rows(step))),
-        ("update_point", lambda: old.update_point("bench", middle, _note),
+        ("update_point (newest)", lambda: old.update_point("bench", step, _note),
+         lambda: new.update_point("bench", step, _note)),
+        ("update_point (middle)", lambda: old.update_point("bench", middle, _note),
          lambda: new.update_point("bench", middle, _note)),
     ):
         t, wrote = _returned(call_old)
@@ -153,12 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv or [])
     sizes = [int(s) for s in args.rows.split(",")]
-    print(f"{'operation':<18} {'rows':>8} {'old (rewrite)':>14} {'new (append)':>13} {'old/new':>8} "
+    print(f"{'operation':<22} {'rows':>8} {'old (rewrite)':>14} {'new (append)':>13} {'old/new':>8} "
           f"{'old bytes written':>18} {'new bytes written':>18}")
     with tempfile.TemporaryDirectory(prefix="bench-ledger-") as tmp:
         for n_rows in sizes:
             for op, n, old_s, new_s, old_b, new_b in run_size(Path(tmp), n_rows, args.reps):
-                print(f"{op:<18} {n:>8,} {old_s * 1e3:>11.2f} ms {new_s * 1e3:>10.2f} ms {old_s / new_s:>7.1f}x "
+                print(f"{op:<22} {n:>8,} {old_s * 1e3:>11.2f} ms {new_s * 1e3:>10.2f} ms {old_s / new_s:>7.1f}x "
                       f"{old_b:>18,} {new_b:>18,}")
 
 

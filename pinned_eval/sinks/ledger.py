@@ -33,6 +33,8 @@ this point, exporter name -> error; the point's state is unchanged by them (`tas
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 from collections.abc import Callable, Collection
@@ -42,7 +44,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pinned_eval.sinks.ledger_file import Scan, append, compact, locked, snapshot
+from pinned_eval.sinks.ledger_file import HEAD, Scan, append, compact, count_lines, last_write_of, locked, snapshot
 
 log = logging.getLogger(__name__)
 COMPACT_MIN_BYTES = 8 << 20  # a file smaller than this is never compacted
@@ -130,13 +132,30 @@ class Ledger:
         (of that point's lines only) and the write are one step: a point written meanwhile by
         another process is the one `change` sees."""
         with locked(self.path):
-            found = self._scan(lambda r, s: (r, s) == (run, step), settled=True).rows()
+            found = self._point_rows(run, step)
             rows = [r for r in cast(list[MetricRow], found) if (r.run, r.step) == (run, step)]
             changed = change(rows) if rows else None
             if changed is None:
                 return False
             self._append(changed)
             return True
+
+    def _point_rows(self, run: str, step: int) -> list[object]:
+        """The point's rows, under the lock: scanned from its last complete write (found reading
+        the file backwards), so a point written lately costs the file's tail, not its length."""
+        wanted = (run, step)
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start = last_write_of(f, size, lambda line: _head_point(line) == wanted)
+            scan = Scan(self.path, MetricRow.model_validate_json, lambda r, s: (r, s) == wanted)
+            if start:
+                scan.lines_before = functools.cache(lambda: count_lines(self.path, start))
+            f.seek(start or 0)
+            scan.run(f, size - (start or 0), True)
+        self.bad_lines = scan.bad
+        return list(scan.rows())
 
     def compact(self) -> bool:
         """Rewrite the file without its dead lines, if it has any (True then); under the exclusive
@@ -163,6 +182,16 @@ class Ledger:
         unit = self.compact_min_bytes
         if after >= unit and (after // unit).bit_length() > (before // unit).bit_length():
             self._compact(share=0.5)
+
+
+def _head_point(line: bytes) -> tuple[str, int] | None:
+    head = HEAD.match(line)
+    if head is None:
+        return None
+    try:
+        return json.loads(head[1]), int(head[2])
+    except ValueError:
+        return None
 
 
 JsonlSink = Ledger  # the name it had before it was recognised as the ledger; kept for imports

@@ -149,6 +149,7 @@ class Scan:
     _open_id: tuple[bytes, int] | None = None
     _open_seen: int = 0  # its lines so far, the unwanted ones included
     _open_last: int = 0  # the number of its last line so far
+    lines_before: Callable[[], int] | None = None  # a scan from an offset: the lines before it
 
     def run(self, f: BinaryIO, size: int, settled: bool) -> Scan:
         pos = lineno = 0
@@ -233,8 +234,56 @@ class Scan:
         return group
 
     def _note(self, lineno: int, problem: str) -> None:
+        if self.lines_before is not None:
+            lineno += self.lines_before()
         self.bad.append(f"{self.path}:{lineno}: {problem}")
         log.warning("%s:%d: %s; skipped and kept as is", self.path, lineno, problem)
+
+
+def last_write_of(f: BinaryIO, size: int, is_point: Callable[[bytes], bool], chunk: int = 1 << 20) -> int | None:
+    """The offset of the last complete framed write holding a line of the point (`is_point(line)`),
+    read backwards from `size`: everything of the point before it is replaced, so a scan from there
+    reads the point's rows. None when there is none (the whole file is scanned then)."""
+    cur_id: bytes | None = None
+    cur_n = cur_count = cur_start = 0
+    cur_has = False
+    pos, carry = size, b""
+    while pos > 0:
+        step = min(chunk, pos)
+        pos -= step
+        f.seek(pos)
+        data = f.read(step) + carry
+        parts = data.split(b"\n")
+        carry = parts[0] if pos > 0 else b""
+        starts, at = [], pos
+        for part in parts:
+            starts.append(at)
+            at += len(part) + 1
+        for i in range(len(parts) - 1, 0 if pos > 0 else -1, -1):
+            line = parts[i]
+            if not line:
+                continue
+            m = frame_of(line)
+            lid = m[1] if m else None
+            if lid != cur_id:
+                cur_id, cur_n, cur_count, cur_has = lid, int(m[2]) if m else 0, 0, False
+            if m is None:
+                continue
+            cur_count, cur_start, cur_has = cur_count + 1, starts[i], cur_has or is_point(line)
+            if cur_count == cur_n:  # a whole write: its first line reached
+                if cur_has:
+                    return cur_start
+                cur_id = None
+    return None
+
+
+def count_lines(path: Path, end: int) -> int:
+    """The lines in the first `end` bytes of `path` (a handle of its own: a scan may be reading)."""
+    n, left = 0, end
+    with open(path, "rb") as f:
+        while left > 0 and (block := f.read(min(left, 1 << 20))):
+            n, left = n + block.count(b"\n"), left - len(block)
+    return n
 
 
 def compact(scan: Scan) -> None:

@@ -56,6 +56,9 @@ def test_a_file_written_before_the_framing_reads_as_it_did_and_a_new_write_repla
     path.write_bytes(b"".join(r.to_line() for r in old))  # unframed; a hand-added row of step 1 at the end
     led = Ledger(path)
     assert led.read() == old and led.read("a", steps={1}) == [old[0], old[1], old[3]]
+    seen: list[list[MetricRow]] = []
+    assert led.update_point("a", 1, lambda rows: seen.append(rows)) is False  # no frame: the whole file read
+    assert seen == [[old[0], old[1], old[3]]]
     led.write_point([_row("a", 1, 0.9)])
     assert _view(led.read()) == [("a", 2, "add", {"eval/add": 0.3}), ("a", 1, "add", {"eval/add": 0.9})]
     path.open("ab").write(_row("a", 1, 0.5, "hand").to_line())  # a row added by hand after the write
@@ -306,6 +309,30 @@ def test_a_writes_bytes_do_not_depend_on_the_files_length_and_it_reads_nothing_o
     want = sum(len(r.to_line()) + len(',"write":"0123456789ab/2"') for r in point)
     assert io == {f"{small.path} write": [want], f"{small.path} read": [1],  # one write; the last byte
                   f"{large.path} write": [want], f"{large.path} read": [1]}
+
+
+def test_a_note_on_a_recent_point_scans_the_files_tail_and_names_bad_lines_by_their_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    led = Ledger(tmp_path / "m.jsonl")
+    ledger_file.append(led.path, [_row("a", step, 0.0).to_line() for step in range(3000)])
+    led.write_point([_row("b", 7, 0.5), _row("b", 7, 0.25, "sub")])
+    with open(led.path, "ab") as f:
+        f.write(b'{"run":"b","step":7,"dataset":"cut", "sta\n')  # line 3003, after the point's write
+    led.write_point([_row("c", 1, 0.0)])
+    scanned: list[int] = []
+    real = ledger_file.Scan._line
+    monkeypatch.setattr(ledger_file.Scan, "_line", lambda self, n, raw: (scanned.append(n), real(self, n, raw)))
+    note = {"sink_errors": {"mlflow": "down"}}
+    assert led.update_point("b", 7, lambda rows: [r.model_copy(update=note) for r in rows])
+    assert scanned == [1, 2, 3, 4]  # from the point's last write on: 4 lines of 3,004
+    assert [b.split(": ")[0] for b in led.bad_lines] == [f"{led.path}:3003"]
+    assert [(r.dataset, r.sink_errors) for r in led.read("b")] == [("add", note["sink_errors"]),
+                                                                   ("sub", note["sink_errors"])]
+    scanned.clear()
+    assert led.update_point("a", 5, lambda rows: [r.model_copy(update=note) for r in rows])  # in the big write
+    assert scanned[0] == 1 and len(scanned) == 3006  # from its write at the start: every line
+    assert [r.sink_errors for r in led.read("a", steps={5})] == [note["sink_errors"]]
 
 
 def test_a_symlink_planted_at_the_ledgers_name_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
