@@ -15,8 +15,14 @@ The scan (`Scan`) reads the lines in file order and decides what is live:
   compaction; a scan that could not take the shared lock (a writer active) passes over the
   incomplete write at the file's end and its unterminated last line silently: they are in flight.
 
+`last_write_of` finds, reading backwards, where a point's last complete write starts: a scan from
+there reads the same rows of that point as a scan of the whole file (what came before is replaced).
+
 A reader opens the file and reads its size under a non-blocking shared flock, then releases it
 and scans that many bytes: a writer never waits for a reader and a reader never for a writer.
+
+Appends open the file with `O_NOFOLLOW`: a symlink planted at its name is refused (ELOOP), its
+target untouched.
 
 `compact` rewrites the file without its dead lines (rows a later write replaced, blank lines)
 through a temp file + fsync + rename (`replace_durably`), under the exclusive lock: a crash
