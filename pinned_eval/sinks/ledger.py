@@ -14,8 +14,8 @@ exclusive flock of `<file>.lock`, so concurrent points in separate processes los
 readers return, for each point, the rows of its last complete write (plus the unframed rows after
 it: files written before the framing read exactly as before). A write costs what it writes: the
 file is not read. `update_point` reads the file backwards to the point's last complete write and
-scans from there, so a note on a point written lately costs the file's tail. Readers take no lock that can wait: a write in flight, or one a crash cut
-short, is never read as a point's rows.
+scans from there, so a note on a point written lately costs the file's tail. Readers take no
+lock that can wait: a write in flight, or one a crash cut short, is never read as a point's rows.
 
 When a write takes the file past 8 MiB x 2^k, it looks at how much of the file is dead (rows a
 later write replaced); more than half, and the file is compacted (temp file + fsync + rename under
