@@ -89,7 +89,7 @@ class Ledger:
         """One pass over the file (`ledger_file.Scan`); `settled`: called under the exclusive lock.
         `wanted(run, step)`: a line this module wrote (its run and step first) of a point not
         wanted is passed over unparsed; every other line is parsed."""
-        scan = Scan(self.path, MetricRow.model_validate_json, wanted)
+        scan = Scan(self.path, MetricRow.model_validate_json, wanted, keep_raw=settled)
         if settled:
             if self.path.exists():
                 with open(self.path, "rb") as f:

@@ -134,7 +134,8 @@ def append(path: Path, lines: list[bytes]) -> tuple[int, int]:
 @dataclass
 class _Line:
     lineno: int
-    raw: bytes
+    raw: bytes  # b"" unless the scan keeps them (`Scan.keep_raw`)
+    size: int
     row: Row | None = None  # the parsed row; None: a bad line
     dead: bool = False
 
@@ -147,6 +148,7 @@ class Scan:
     path: Path
     parse: Callable[[bytes], Row]  # raises ValueError when the bytes are not a row
     wanted: Callable[[str, int], bool] | None = None
+    keep_raw: bool = False  # compaction's scan: the lines' bytes, to write them again
     lines: list[_Line] = field(default_factory=list)
     bad: list[str] = field(default_factory=list)
     dead_bytes: int = 0
@@ -187,7 +189,7 @@ class Scan:
         if frame is not None:
             self._open_id, self._open_seen, self._open_last = frame, self._open_seen + 1, lineno
         if self._wanted(raw):
-            line = _Line(lineno, raw)
+            line = _Line(lineno, raw if self.keep_raw else b"", len(raw))
             self._parse(line, raw[: m.start()] + b"}" if m else raw)
             if frame is not None:
                 self._open.append(line)
@@ -221,7 +223,7 @@ class Scan:
         for point in {(r.run, r.step) for ln in group if (r := ln.row) is not None}:
             for old in self._live.pop(point, []):
                 old.dead = True
-                self.dead_bytes += len(old.raw)
+                self.dead_bytes += old.size
         for line in group:
             self.lines.append(line)
             if (r := line.row) is not None:
