@@ -3,7 +3,8 @@
 Recorded, not timed: `os.fsync` and `os.replace` are wrapped by a recorder that logs what each
 call acted on (an fsync'd descriptor by the path it has open, read from /proc/self/fd) and then
 does the real call, so each test asserts the exact sequence one write made. The helpers:
-`trainer_integration.spool.Spool.append`, `pinned_eval.sinks.JsonlSink.write_point`,
+`trainer_integration.spool.Spool.append`, `pinned_eval.sinks.JsonlSink.compact` (its appends fsync
+the file, and the directory of a new one),
 `pinned_eval.results.store.ResultsStore.write`, `pinned_eval.fleet.keys.write_private`,
 `pinned_eval.snapshot.staging.Staging.materialize` (the download cache), all but the spool
 through `pinned_eval.durable.replace_durably`.
@@ -83,15 +84,20 @@ def test_the_spool_fsyncs_each_entry_before_its_rename_and_the_directory_after(t
     assert Path(tmp).name.startswith(".tmp-") and not Path(tmp).exists()
 
 
-def test_the_jsonl_sink_fsyncs_the_new_file_before_its_rename_and_the_directory_after(
+def test_the_ledger_fsyncs_each_append_a_new_files_directory_and_compacts_through_one_rename(
     tmp_path: Path, rec: Recorder
 ) -> None:
     sink = JsonlSink(tmp_path / "sinks" / "metrics.jsonl")
+    real = os.path.realpath(sink.path)
     sink.write_point([MetricRow(run="exp1", step=1, dataset="d", state="measured", metrics={"eval/x": 1.0})])
+    assert rec.under(tmp_path) == [("fsync", real), ("fsync", os.path.dirname(real))]  # a new name: its directory
     sink.write_point([MetricRow(run="exp1", step=2, dataset="d", state="measured", metrics={"eval/x": 2.0})])
-    first, second = rec.under(tmp_path)[:3], rec.under(tmp_path)[3:]
-    assert _one_rename(first, sink.path) != _one_rename(second, sink.path)
-    assert [(r.step, r.metrics) for r in sink.read()] == [(1, {"eval/x": 1.0}), (2, {"eval/x": 2.0})]
+    sink.write_point([MetricRow(run="exp1", step=1, dataset="d", state="measured", metrics={"eval/x": 3.0})])
+    assert rec.under(tmp_path)[2:] == [("fsync", real), ("fsync", real)]  # appends: the file's data only
+    del rec.events[:]
+    assert sink.compact()
+    _one_rename(rec.under(tmp_path), sink.path)
+    assert [(r.step, r.metrics) for r in sink.read()] == [(2, {"eval/x": 2.0}), (1, {"eval/x": 3.0})]
 
 
 def test_the_results_store_fsyncs_each_file_before_its_rename_and_the_directory_after(

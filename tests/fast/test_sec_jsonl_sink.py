@@ -1,7 +1,8 @@
 """A bad line in the JSONL sink (corrupt, truncated, not UTF-8, another format) blocks nobody.
 
-Decision (pinned_eval/sinks.py): readers skip it, a rewrite keeps it byte for byte where it was,
-and both warn naming the file and the line; other runs' rows are read and rewritten as before.
+Decision (pinned_eval/sinks/ledger.py): readers skip it, appends leave it where it was and
+compaction keeps it byte for byte there; readers and compaction warn naming the file and the line;
+other runs' rows are read, appended and compacted as before.
 """
 
 from __future__ import annotations
@@ -37,20 +38,31 @@ def test_a_bad_line_does_not_block_another_runs_write_or_read(
     sink = JsonlSink(polluted)
     with caplog.at_level(logging.WARNING, logger="pinned_eval.sinks"):
         sink.write_point([_row("mine", 7, 0.25), _row("mine", 7, 0.75, "sub")])
+    assert sink.bad_lines == [] and caplog.records == []  # a write does not read the file
+    with caplog.at_level(logging.WARNING, logger="pinned_eval.sinks"):
+        mine = sink.read("mine")
     assert [(p.split(": ")[0]) for p in sink.bad_lines] == [f"{polluted}:{n}" for n in (2, 3, 4, 5)]
     assert [r.message.split(":")[1] for r in caplog.records] == ["2", "3", "4", "5"]
     assert all(str(polluted) in r.getMessage() for r in caplog.records)
 
-    mine = JsonlSink(polluted).read("mine")
     assert [(r.dataset, r.metrics) for r in mine] == [("add", {"eval/add": 0.25}), ("sub", {"eval/sub": 0.75})]
     assert [(r.run, r.step) for r in JsonlSink(polluted).read()] == [("other", 1), ("mine", 7), ("mine", 7)]
 
 
-def test_bad_lines_are_kept_byte_for_byte_in_place_across_rewrites(polluted: Path) -> None:
+def test_bad_lines_are_kept_byte_for_byte_in_place_across_rewrites(
+    polluted: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sink = JsonlSink(polluted)
     sink.write_point([_row("mine", 7, 0.25)])
     sink.write_point([_row("mine", 7, 1.0)])  # a rerun replaces its row, nothing else
     sink.write_point([_row("other", 1, 0.0)])  # the other run's good row is replaced, its bad lines stay
+    bad = [CORRUPT, NOT_UTF8, ANOTHER_FORMAT, TRUNCATED + b"\n"]
+    assert polluted.read_bytes().splitlines(keepends=True)[1:5] == bad  # appends leave them in place
+    assert [r.metrics["eval/add"] for r in sink.read()] == [1.0, 0.0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pinned_eval.sinks"):
+        assert sink.compact()  # 2 of 4 rows dead: the file rewritten without them
+    assert [r.message.split(":")[1] for r in caplog.records] == ["2", "3", "4", "5"]
     lines = polluted.read_bytes().splitlines(keepends=True)
     assert lines[:4] == [CORRUPT, NOT_UTF8, ANOTHER_FORMAT, TRUNCATED + b"\n"]
     assert [MetricRow.model_validate_json(line).key for line in lines[4:]] == [("mine", 7, "add"), ("other", 1, "add")]
