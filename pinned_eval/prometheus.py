@@ -46,6 +46,7 @@ from pinned_eval.prometheus_totals import (
     TotalsUnreadableError,
     fold,
 )
+from pinned_eval.sinks.outbox import envelopes_waiting
 from pinned_eval.trusted_paths import make_private_dir
 from pinned_eval.writer_temps import sweep_temps, temp_name
 
@@ -55,7 +56,6 @@ INFLIGHT = "inflight"
 __all__ = ["EVENTS", "INFLIGHT", "PIN_BUCKETS", "POINT_BUCKETS", "InFlight", "Outcome", "PointEvent",
            "PointMetricsCollector", "pin_timed", "point_ended", "private_metrics_dir", "serve_metrics"]
 _NAME = re.compile(r"^(\d+)-(\d+)\.json$")  # inflight/<pid>-<n>.json
-_ENVELOPE = re.compile(r"^\d+-\d+-\d+\.json$")  # an outbox envelope (pinned_eval.sinks.outbox)
 _seq = itertools.count()
 
 
@@ -213,10 +213,7 @@ class PointMetricsCollector:
     def exports_waiting(self) -> int:
         """Envelopes in the outbox (names only: nothing is read; none when it does not exist yet)."""
         assert self.outbox is not None
-        try:
-            return sum(1 for name in os.listdir(self.outbox) if _ENVELOPE.match(name))
-        except FileNotFoundError:
-            return 0
+        return envelopes_waiting(self.outbox)
 
 
 def serve_metrics(

@@ -104,7 +104,9 @@ def worker(
 
 def _note_waiting_exports(root: Path) -> None:
     """One line when tracker exports were left in the outbox (the deliverer's drain time ran out)."""
-    waiting = len(list(root.glob("[0-9]*.json"))) if root.is_dir() else 0
+    from pinned_eval.sinks.outbox import envelopes_waiting
+
+    waiting = envelopes_waiting(root)
     if waiting:
         typer.echo(f"{waiting} tracker export(s) (W&B, MLflow) wait in {root}: the next `pinned-eval worker` "
                    "sends them", err=True)

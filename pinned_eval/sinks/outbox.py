@@ -137,8 +137,7 @@ class Outbox:
 
     def pending(self) -> list[Path]:
         """The envelopes waiting, oldest first."""
-        return sorted((self.root / name for name in os.listdir(self.root)
-                       if name.endswith(".json") and not name.startswith(".")), key=lambda p: p.name)
+        return [self.root / name for name in _envelope_names(self.root)]
 
     def read(self, path: Path) -> Envelope:
         """The envelope at `path` (`ValueError`/`OSError` when it is not one: `reject` it)."""
@@ -156,6 +155,20 @@ class Outbox:
         """Move an unreadable envelope aside (`rejected/`), kept for an operator."""
         log.warning("outbox: %s is not an envelope, moved to %s/: %s", path, REJECTED, why)
         os.replace(path, self.root / REJECTED / path.name)
+
+
+def _envelope_names(root: Path) -> list[str]:
+    """The names of the envelopes in `root`, oldest first (temp files and `rejected/` left out)."""
+    return sorted(name for name in os.listdir(root) if name.endswith(".json") and not name.startswith("."))
+
+
+def envelopes_waiting(root: str | Path) -> int:
+    """How many envelopes wait in the outbox at `root` (names only, nothing read or created; 0
+    when it does not exist yet)."""
+    try:
+        return len(_envelope_names(Path(root)))
+    except FileNotFoundError:
+        return 0
 
 
 def defer(
